@@ -1,0 +1,228 @@
+"""Typed configs that save and load as JSON (or YAML), with errors that name the offending field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot describe a valid run."""
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(annotation, value, where)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise TypeError(f"unsupported config annotation {annotation!r} at {where}")
+
+
+def from_dict(cls: type, data: dict, where: str = "") -> Any:
+    """Build dataclass `cls` from `data`; unknown keys and wrong types are errors naming the field."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where or cls.__name__}: unknown field(s) {unknown}; known: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    try:
+        obj = cls(**kwargs)
+    except TypeError as error:
+        raise ConfigError(f"{where or cls.__name__}: {error}") from None
+    return obj
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def save_json(obj: Any, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(to_dict(obj), indent=2) + "\n")
+    tmp.replace(path)
+
+
+def read_mapping(path: str | Path) -> dict:
+    """Read a JSON or YAML mapping; a parse error names the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read ({error.strerror})") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {error}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of field names to values")
+    return data
+
+
+def load(cls: type, path: str | Path) -> Any:
+    try:
+        return from_dict(cls, read_mapping(path))
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` overrides (value parsed as YAML: numbers, booleans, lists) to a nested mapping."""
+    data = json.loads(json.dumps(data))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=3e-4")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[leaf] = value
+    return data
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftConfig:
+    """The draft architecture. Llama fields follow transformers' LlamaConfig names (and vLLM's export)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_hidden_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    num_hidden_layers: int = 1
+    embed_injection: Literal["first", "all"] = "first"
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    hidden_act: Literal["silu"] = "silu"
+
+    def __post_init__(self) -> None:
+        if self.num_hidden_layers < 1:
+            raise ConfigError(f"num_hidden_layers: must be >= 1, got {self.num_hidden_layers}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size: must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+        if len(self.aux_layer_ids) < 1:
+            raise ConfigError("aux_layer_ids: at least one target layer is needed")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. Saved as `config.json` in the run's output directory."""
+
+    target: str = "smollm2-135m-instruct"
+    data: list[str] = field(default_factory=list)  # conversation files (ShareGPT / OpenAI messages / EAGLE)
+    output_dir: str = "runs/draft"
+    vocab: str | None = None  # a vocab.safetensors from `wingspan vocab`; built from the data when None
+    # target
+    target_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    aux_layer_ids: list[int] | None = None  # default [2, N//2, N-3]
+    # draft
+    num_hidden_layers: int = 1
+    embed_injection: Literal["first", "all"] = "first"
+    draft_vocab_size: int = 16384
+    init_lm_head_from_target: bool = True
+    # data
+    max_length: int = 1024
+    batch_tokens: int = 2048  # token budget of one micro-batch (sequences are bucketed by length)
+    shuffle: bool = True
+    # TTT
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    # optimisation
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_ratio: float = 0.02
+    grad_clip: float = 0.5
+    grad_accum: int = 1
+    epochs: float = 1.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs when set
+    autocast_bf16: bool = False  # run the draft in bf16 autocast (the target dtype is target_dtype)
+    seed: int = 0
+    # bookkeeping
+    save_every: int = 200  # optimizer steps between checkpoints (and always at the end)
+    log_every: int = 10
+    tensorboard: bool = False
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ConfigError(f"ttt_steps: must be >= 1, got {self.ttt_steps}")
+        if self.max_length < 2:
+            raise ConfigError(f"max_length: must be >= 2, got {self.max_length}")
+        if self.batch_tokens < self.max_length:
+            raise ConfigError(f"batch_tokens ({self.batch_tokens}) must be >= max_length ({self.max_length})")
+        if self.grad_accum < 1:
+            raise ConfigError(f"grad_accum: must be >= 1, got {self.grad_accum}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if len(self.betas) != 2:
+            raise ConfigError(f"betas: expected two numbers, got {self.betas}")

@@ -1,0 +1,146 @@
+"""Training-time test (TTT): the draft unrolled over its own outputs, as inference runs it.
+
+Step 0 at position i reads (f_i, x_{i+1}) and predicts p_{i+1}, the target's distribution for x_{i+2}.
+Step j reads the draft's own step j-1 output at i and x_{i+j+1}, at RoPE position i+j, and predicts
+p_{i+j+1}. In every layer's cache a step-j query at i sees the step-0 keys at positions <= i and the keys
+of steps 1..j at i itself: what a chain draft has in its KV cache after j steps from origin i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from wingspan.models.draft import Eagle3Draft
+
+
+class TTTCache:
+    """One layer's keys across the unroll, attended without a [T, T * steps] score matrix.
+
+    Step 0 is plain causal attention. At step j each query also sees j "diagonal" keys (its own position
+    in steps 1..j). Those are folded into a single SDPA call over the step-0 keys: j sink keys are added
+    whose score for query i is exactly the diagonal score q_i . k_s[i] (carried in j extra query
+    dimensions), and whose values are one-hot in j extra value channels. SDPA then returns the causal part
+    already normalised by the full softmax denominator, plus the diagonal attention weights, from which
+    the diagonal values are mixed in. Memory stays linear in T (SDPA's fused kernels never store scores).
+    """
+
+    def __init__(self) -> None:
+        self.k0: torch.Tensor | None = None
+        self.v0: torch.Tensor | None = None
+        self.diagonal_k: list[torch.Tensor] = []
+        self.diagonal_v: list[torch.Tensor] = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        self.diagonal_k.append(k)
+        self.diagonal_v.append(v)
+        batch, heads, length, head_dim = q.shape
+        group = heads // k.shape[1]
+        scale = head_dim**-0.5
+        num_sinks = len(self.diagonal_k)
+        diag_k = torch.stack(self.diagonal_k, dim=-2).repeat_interleave(group, dim=1)  # [B, h, T, j, d]
+        diag_v = torch.stack(self.diagonal_v, dim=-2).repeat_interleave(group, dim=1)
+        diag_scores = torch.einsum("bhtd,bhtsd->bhts", q, diag_k)  # unscaled: SDPA applies `scale`
+        q_ext = torch.cat([q, diag_scores], dim=-1)
+        eye = torch.eye(num_sinks, dtype=q.dtype, device=q.device)
+        sinks = torch.cat([eye.new_zeros(num_sinks, head_dim), eye], dim=-1).expand(batch, self.k0.shape[1], -1, -1)
+        k_ext = torch.cat([F.pad(self.k0, (0, num_sinks)), sinks], dim=2)
+        v_ext = torch.cat([F.pad(self.v0, (0, num_sinks)), sinks], dim=2)
+        mask = torch.ones(length, length + num_sinks, dtype=torch.bool, device=q.device)
+        mask[:, :length] = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask, scale=scale, enable_gqa=True)
+        causal_part, diag_weights = out[..., :head_dim], out[..., head_dim:]
+        return causal_part + torch.einsum("bhts,bhtsd->bhtd", diag_weights, diag_v)
+
+
+@dataclass
+class TTTBatch:
+    """One micro-batch: right-padded sequences and what the target said about them."""
+
+    input_ids: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T], 1 on assistant tokens (0 on padding)
+    aux_hidden: torch.Tensor  # [B, T, num_aux * H_target]
+    target_logits: torch.Tensor  # [B, T, V] full target vocab
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # scalar: sum over steps of weight_j * loss_sum_j / normaliser_j
+    loss_sum: torch.Tensor  # [steps] soft cross-entropy summed over counted positions (detached)
+    correct: torch.Tensor  # [steps] positions where draft argmax == target argmax
+    count: torch.Tensor  # [steps] counted positions
+
+
+def shift_left(x: torch.Tensor, by: int, fill: float | int = 0) -> torch.Tensor:
+    """x[:, i] <- x[:, i + by] along dim 1, filling the end."""
+    if by == 0:
+        return x
+    pad = x.new_full((x.shape[0], by, *x.shape[2:]), fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def step_masks(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps, B, T]: step j at origin i is counted when x_{i+j+2} (the token it predicts) is in the mask."""
+    return torch.stack([shift_left(loss_mask, j + 2) for j in range(steps)])
+
+
+def unroll(draft: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, steps: int):
+    """Yield the draft's logits [B, T, draft_vocab] of steps 0..steps-1 (index i = origin i)."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    caches = [TTTCache() for _ in draft.layers]
+    hidden = draft.project_aux(aux_hidden.to(draft.fc.weight.dtype))
+    for j in range(steps):
+        hidden, logits = draft(hidden, shift_left(input_ids, j + 1), positions + j, caches)
+        yield logits
+
+
+def ttt_forward(
+    draft: Eagle3Draft,
+    batch: TTTBatch,
+    steps: int,
+    step_weights: list[float],
+    normaliser: torch.Tensor | None = None,
+) -> TTTResult:
+    """Unroll the draft `steps` times and score each step against the target.
+
+    The target distribution is restricted to the draft vocab and renormalised (soft cross-entropy = forward
+    KL up to a constant). `normaliser` [steps] divides each step's loss sum; by default the counts of this
+    micro-batch, but a trainer passes the counts of the whole optimizer step so that accumulation and data
+    parallelism weight every token alike.
+    """
+    input_ids, loss_mask = batch.input_ids, batch.loss_mask
+    draft_vocab_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=input_ids.device))
+    target_logp = torch.log_softmax(batch.target_logits[..., draft_vocab_ids].float(), dim=-1)
+    target_argmax = batch.target_logits.argmax(dim=-1)
+    masks = step_masks(loss_mask, steps).to(target_logp.dtype)
+    if normaliser is None:
+        normaliser = masks.sum(dim=(1, 2)).clamp(min=1)
+
+    target_p = target_logp.exp()
+    loss = torch.zeros((), device=input_ids.device)
+    loss_sums, correct = [], []
+    for j, logits in enumerate(unroll(draft, batch.aux_hidden, input_ids, steps)):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        token_loss = -(shift_left(target_p, j + 1) * logp).sum(dim=-1)
+        loss_sum = (token_loss * masks[j]).sum()
+        loss = loss + step_weights[j] * loss_sum / normaliser[j]
+        hits = draft.draft_to_target(logits.argmax(dim=-1)) == shift_left(target_argmax, j + 1)
+        loss_sums.append(loss_sum.detach())
+        correct.append((hits * masks[j]).sum())
+    return TTTResult(loss, torch.stack(loss_sums), torch.stack(correct), masks.sum(dim=(1, 2)))
+
+
+def simulated_acceptance_length(step_accuracy: list[float], num_draft_tokens: int) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: the expected tokens per target forward if step j were accepted with
+    probability acc_j given steps < j were. TTT accuracies are measured on teacher tokens, so this is an
+    optimistic estimate; `wingspan eval` measures the real figure."""
+    tau, survive = 1.0, 1.0
+    for acc in step_accuracy[:num_draft_tokens]:
+        survive *= acc
+        tau += survive
+    return tau
