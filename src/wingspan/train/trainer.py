@@ -1,0 +1,226 @@
+"""The training loop: target forward, TTT unroll, AdamW with warmup + cosine, accumulation, checkpoints.
+
+`train()` is the whole recipe in one function, top to bottom. Resuming restores weights, optimizer,
+RNG and the data position, and the batch plan is a pure function of (seed, epoch), so an interrupted
+run continued with `resume=True` ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from wingspan.config import DraftConfig, TrainConfig, save_json
+from wingspan.models.draft import Eagle3Draft
+from wingspan.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from wingspan.train.ttt import TTTBatch, simulated_acceptance_length, step_masks, ttt_forward
+
+
+@dataclass
+class Sequence:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, shuffle: bool) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most `batch_tokens` padded tokens.
+
+    Sequences are sorted by length inside windows of 64 so that padding stays small while the order
+    still changes every epoch; the batches themselves are shuffled too. Deterministic in (seed, epoch).
+    """
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(len(lengths)))
+    if shuffle:
+        rng.shuffle(order)
+    window = 64
+    order = [i for start in range(0, len(order), window) for i in sorted(order[start : start + window], key=lengths.__getitem__)]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        longest = max([lengths[index]] + [lengths[i] for i in current])
+        if current and longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def collate(sequences: list[Sequence], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest: (input_ids, loss_mask, attention_mask), each [B, T]."""
+    length = max(len(s.input_ids) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(sequences), length)
+    attention = torch.zeros(len(sequences), length, dtype=torch.long)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        loss_mask[row, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float)
+        attention[row, : len(s.input_ids)] = 1
+    return ids, loss_mask, attention
+
+
+def learning_rate(step: int, total: int, config: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to `min_lr_ratio * lr`."""
+    warmup = max(1, round(config.warmup_ratio * total))
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+
+
+def draft_config_for(target, config: TrainConfig, vocab_size: int, draft_vocab_size: int) -> DraftConfig:
+    """A draft shaped like one decoder layer of the target (vLLM requires draft hidden == target hidden)."""
+    hf = target.config
+    return DraftConfig(
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=getattr(hf, "num_key_value_heads", hf.num_attention_heads),
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        target_hidden_size=hf.hidden_size,
+        vocab_size=vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        aux_layer_ids=list(target.aux_layer_ids),
+        num_hidden_layers=config.num_hidden_layers,
+        embed_injection=config.embed_injection,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_theta=float(getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]),
+        max_position_embeddings=hf.max_position_embeddings,
+    )
+
+
+def build_draft(target, config: TrainConfig, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Draft:
+    draft = Eagle3Draft(draft_config_for(target, config, t2d.numel(), d2t.numel()))
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.embed_weight())
+        if config.init_lm_head_from_target:
+            # Start from the target's own readout of the draft-vocab rows: the draft then only has to
+            # learn to produce target-like final hidden states, not a vocabulary projection from scratch.
+            draft.lm_head.weight.copy_(target.lm_head_weight()[draft.draft_to_target(torch.arange(d2t.numel()))])
+            draft.norm.weight.copy_(target.norm_weight())
+    return draft
+
+
+class MetricLog:
+    """Per-step sums over a logging window -> loss_j, acc_j, simulated acceptance length."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = self.correct = self.count = None
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor, tokens: int) -> None:
+        if self.loss_sum is None:
+            self.loss_sum, self.correct, self.count = loss_sum.clone(), correct.clone(), count.clone()
+        else:
+            self.loss_sum += loss_sum
+            self.correct += correct
+            self.count += count
+        self.tokens += tokens
+
+    def flush(self, step: int, lr: float) -> dict:
+        count = self.count.clamp(min=1)
+        accuracy = (self.correct / count).tolist()
+        record = {"step": step, "lr": lr}
+        record.update({f"loss_{j}": v for j, v in enumerate((self.loss_sum / count).tolist())})
+        record.update({f"acc_{j}": v for j, v in enumerate(accuracy)})
+        record["sim_accept_len"] = simulated_acceptance_length(accuracy, len(accuracy))
+        record["tokens_per_s"] = self.tokens / max(1e-9, time.perf_counter() - self.started)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        self.reset()
+        return record
+
+
+def train(config: TrainConfig, target, sequences: list[Sequence], d2t: torch.Tensor, t2d: torch.Tensor, resume: bool = False) -> Path:
+    """Train a draft on `sequences` against `target`; returns the directory of the final draft."""
+    run_dir = Path(config.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_json(config, run_dir / "config.json")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+
+    draft = build_draft(target, config, d2t, t2d)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+
+    lengths = [len(s.input_ids) for s in sequences]
+    batches_per_epoch = len(plan_batches(lengths, config.batch_tokens, config.seed, 0, False))
+    steps_per_epoch = max(1, batches_per_epoch // config.grad_accum)
+    total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
+
+    step, epoch, batch_index = 0, 0, 0
+    if resume and (checkpoint := latest_checkpoint(run_dir)) is not None:
+        state = load_checkpoint(checkpoint, draft, optimizer)
+        step, epoch, batch_index = state["step"], state["epoch"], state["batch_index"]
+        print(f"resumed from {checkpoint} (step {step}/{total_steps})")
+    elif not resume and (run_dir / "checkpoints").exists():
+        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another output_dir")
+
+    weights = [config.step_decay**j for j in range(config.ttt_steps)]
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    log = MetricLog(run_dir, config.tensorboard)
+    plan = plan_batches(lengths, config.batch_tokens, config.seed, epoch, config.shuffle)
+    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    record: dict = {}
+    while step < total_steps:
+        group = []
+        while len(group) < config.grad_accum:
+            if batch_index >= len(plan):
+                epoch, batch_index = epoch + 1, 0
+                plan = plan_batches(lengths, config.batch_tokens, config.seed, epoch, config.shuffle)
+            group.append(collate([sequences[i] for i in plan[batch_index]], pad_id))
+            batch_index += 1
+        normaliser = sum(step_masks(mask, config.ttt_steps).sum(dim=(1, 2)) for _, mask, _ in group).clamp(min=1)
+        lr = learning_rate(step, total_steps, config)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+        for ids, loss_mask, attention in group:
+            out = target.forward(ids, attention)
+            batch = TTTBatch(ids, loss_mask, out.aux_hidden, out.logits)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast_bf16):
+                result = ttt_forward(draft, batch, config.ttt_steps, weights, normaliser)
+            result.loss.backward()
+            log.add(result.loss_sum, result.correct, result.count, int(attention.sum()))
+        torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        progress.update(1)
+        if step % config.log_every == 0 or step == total_steps:
+            record = log.flush(step, lr)
+            progress.set_postfix(loss=f"{record['loss_0']:.3f}", acc0=f"{record['acc_0']:.3f}", tau=f"{record['sim_accept_len']:.2f}")
+        if step % config.save_every == 0 or step == total_steps:
+            save_checkpoint(run_dir, step, draft, optimizer, {"step": step, "epoch": epoch, "batch_index": batch_index}, keep=2)
+    progress.close()
+    final = run_dir / "draft"
+    draft.save(final)
+    return final

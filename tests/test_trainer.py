@@ -1,0 +1,102 @@
+"""Training loop: loss goes down, a few sequences are learned, and resume equals an uninterrupted run."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from wingspan.config import TrainConfig
+from wingspan.models.target import TargetModel
+from wingspan.train.trainer import Sequence, learning_rate, plan_batches, train
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def tiny_target() -> TargetModel:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).float()
+    model.model.norm.weight.data *= 10  # a confident target, so that matching it shows in the loss
+    return TargetModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "tiny-llama")
+
+
+def sequences(n: int, length: int, seed: int = 0) -> list[Sequence]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        size = length - (i % 3)
+        ids = torch.randint(2, VOCAB, (size,), generator=g).tolist()
+        out.append(Sequence(ids, [0] * 4 + [1] * (size - 4)))
+    return out
+
+
+def identity_vocab() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool)
+
+
+def config(tmp_path, **overrides) -> TrainConfig:
+    fields = dict(
+        output_dir=str(tmp_path / "run"), num_hidden_layers=2, max_length=32, batch_tokens=64, ttt_steps=3,
+        lr=3e-3, warmup_ratio=0.05, max_steps=12, save_every=4, log_every=4, target_dtype="float32",
+    )
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def test_plan_batches_respects_budget_and_is_deterministic():
+    lengths = [5, 30, 17, 8, 31, 2, 9, 16] * 4
+    plan = plan_batches(lengths, 64, seed=3, epoch=1, shuffle=True)
+    assert plan == plan_batches(lengths, 64, seed=3, epoch=1, shuffle=True)
+    assert plan != plan_batches(lengths, 64, seed=3, epoch=2, shuffle=True)
+    assert sorted(i for batch in plan for i in batch) == list(range(len(lengths)))
+    assert all(max(lengths[i] for i in b) * len(b) <= 64 for b in plan)
+
+
+def test_learning_rate_warms_up_then_decays():
+    cfg = TrainConfig(lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
+    lrs = [learning_rate(s, 100, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_overfitting_a_few_sequences_reaches_high_accuracy(tiny_target, tmp_path):
+    d2t, t2d = identity_vocab()
+    cfg = config(tmp_path, max_steps=150, lr=1e-2, log_every=10, save_every=1000, num_hidden_layers=1)
+    train(cfg, tiny_target, sequences(2, 24), d2t, t2d)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["loss_0"] < 0.6 * metrics[0]["loss_0"]  # the floor is the target entropy (~2.2)
+    assert metrics[-1]["acc_0"] > 0.98
+    assert metrics[-1]["acc_1"] > 0.9
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_path):
+    d2t, t2d = identity_vocab()
+    data = sequences(10, 20)
+    full = train(config(tmp_path / "a", grad_accum=2), tiny_target, data, d2t, t2d)
+    # An interrupted run: keep only what existed after step 8 was checkpointed.
+    interrupted = tmp_path / "b" / "run"
+    shutil.copytree(tmp_path / "a" / "run", interrupted)
+    shutil.rmtree(interrupted / "checkpoints" / "step-12")
+    shutil.rmtree(interrupted / "draft")
+    (interrupted / "checkpoints" / "latest").write_text("step-8\n")
+    resumed = train(config(tmp_path / "b", grad_accum=2), tiny_target, data, d2t, t2d, resume=True)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_refuses_to_overwrite_a_run_without_resume(tiny_target, tmp_path):
+    d2t, t2d = identity_vocab()
+    train(config(tmp_path, max_steps=4), tiny_target, sequences(4, 20), d2t, t2d)
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(config(tmp_path, max_steps=4), tiny_target, sequences(4, 20), d2t, t2d)
