@@ -1,0 +1,343 @@
+"""Read chat datasets of the common shapes into one `Conversation` type; bad input names its file and line.
+
+Formats, detected per record (a file may mix them):
+
+- ShareGPT      {"conversations": [{"from": "human", "value": ...}, ...]}  (items may also be {"role", "content"})
+- OpenAI        {"messages": [{"role": "user", "content": ...}, ...]}
+- EAGLE prompts {"question_id": ..., "turns": ["...", ...]}            -> user turns only (a prompt set)
+- instruction   {"instruction", "input"?, "response" | "output"}       (Alpaca, GPTeacher)
+                {"instruction", "instances": [{"input", "output"}]}     (self-instruct seed tasks; one per instance)
+- Q&A           {"question", "answer"}                                  (GSM8K)
+- HumanEval     {"task_id", "prompt", "canonical_solution"}
+
+Files are .jsonl (one record per line) or .json (an array of records), optionally gzipped (.jsonl.gz).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+
+Role = Literal["system", "user", "assistant"]
+
+ROLE_NAMES: dict[str, Role] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+
+
+@dataclass
+class Message:
+    role: Role
+    content: str
+
+
+@dataclass
+class Conversation:
+    messages: list[Message]
+    id: str
+    source: str  # where it was read: "path:line" (.jsonl) or "path[index]" (.json)
+
+    def has_assistant_turn(self) -> bool:
+        return any(m.role == "assistant" for m in self.messages)
+
+    def as_dicts(self) -> list[dict[str, str]]:
+        """The messages as chat-template input: [{"role", "content"}, ...]."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the file, the line or index, and the field."""
+
+
+@dataclass
+class SkipReport:
+    """What was dropped and why: counts per reason, plus the first few examples with their file:line."""
+
+    total: int = 0  # records (or conversations) looked at
+    counts: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+    max_examples: int = 5
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.counts.values())
+
+    def add(self, reason: str, example: str) -> None:
+        self.counts[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(example)
+
+    def merge(self, other: SkipReport) -> None:
+        """Fold another report in (e.g. one per file) so a run reports once."""
+        self.total += other.total
+        self.counts.update(other.counts)
+        self.examples.extend(other.examples[: max(0, self.max_examples - len(self.examples))])
+
+    def summary(self) -> str:
+        if not self.counts:
+            return f"kept all {self.total}"
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in self.counts.most_common())
+        lines = [f"skipped {self.skipped} of {self.total} ({reasons})"]
+        lines += [f"  e.g. {example}" for example in self.examples]
+        return "\n".join(lines)
+
+
+class _BadRecord(Exception):
+    """A record that is malformed; `reason` is the short key counted in SkipReport."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class _Malformed:
+    """Stands in for a .jsonl line that is not JSON, so the reader can report it like any other bad record."""
+
+    error: str
+
+
+# --------------------------------------------------------------------------------------------------
+# reading
+
+
+def read_conversations(
+    path: str | Path, strict: bool = False, require_assistant: bool = False
+) -> tuple[list[Conversation], SkipReport]:
+    """Read every conversation in `path`, normalised so that any chat template accepts it.
+
+    Bad records (not JSON, unknown format, missing field, unknown role, non-string content) raise DataError
+    naming `file:line` (or `file[index]`) and the field when `strict`; otherwise they are skipped and counted.
+
+    Normalisation of every record but EAGLE prompt sets, applied in this order:
+    1. messages whose content is empty or whitespace are dropped (they carry nothing to learn or ask);
+    2. assistant messages before the first user message are dropped (ShareGPT scrapes often start mid-chat,
+       and templates expect the user to speak first; a system message is kept);
+    3. consecutive messages of the same role are merged, joined by a blank line (ShareGPT splits long
+       replies; most templates require alternating roles).
+    A conversation with no user message left is skipped ("no user turn"); with `require_assistant` (training
+    data), one without an assistant message is skipped too ("no assistant turn"). These are counted skips even
+    when `strict`, because the records are well formed. EAGLE prompt sets keep their user turns as they are:
+    each turn is asked after the model answered the previous one.
+
+    A missing or empty file, or one with no usable conversation, is always a DataError.
+    """
+    path = Path(path)
+    report = SkipReport()
+    conversations: list[Conversation] = []
+    for number, (source, record) in enumerate(_records(path)):
+        report.total += 1
+        try:
+            parsed = _parse_record(record, source, default_id=f"{path.stem}-{number}")
+        except _BadRecord as bad:
+            if strict:
+                raise DataError(f"{source}: {bad.detail}") from None
+            report.add(bad.reason, f"{source}: {bad.detail}")
+            continue
+        for conversation in parsed:
+            if not any(m.role == "user" for m in conversation.messages):
+                report.add("no user turn", f"{source}: no user message")
+            elif require_assistant and not conversation.has_assistant_turn():
+                report.add("no assistant turn", f"{source}: no assistant message to train on")
+            else:
+                conversations.append(conversation)
+    if report.total == 0:
+        raise DataError(f"{path}: empty file (no records)")
+    if not conversations:
+        raise DataError(f"{path}: no usable conversation; {report.summary()}")
+    return conversations, report
+
+
+def _records(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yield (source, record) for each record of a .jsonl or .json file (gzipped or not)."""
+    name = path.name.removesuffix(".gz")
+    if not name.endswith((".jsonl", ".json")):
+        raise DataError(f"{path}: unsupported file type; expected .jsonl or .json (optionally .gz)")
+    try:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, EOFError) as error:
+        raise DataError(f"{path}: cannot read ({error})") from None
+
+    if name.endswith(".jsonl"):
+        for line_number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                record = _Malformed(f"{error.msg} at column {error.colno}")
+            yield f"{path}:{line_number}", record
+        return
+    try:
+        records = json.loads(text) if text.strip() else []
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(records, list):
+        raise DataError(f"{path}: a .json file must hold an array of records, got a {type(records).__name__}")
+    for index, record in enumerate(records):
+        yield f"{path}[{index}]", record
+
+
+def _parse_record(record: Any, source: str, default_id: str) -> list[Conversation]:
+    if isinstance(record, _Malformed):
+        raise _BadRecord("malformed JSON", f"not valid JSON: {record.error}")
+    if not isinstance(record, dict):
+        raise _BadRecord("not a JSON object", f"expected a JSON object, got {type(record).__name__}")
+    record_id = record.get("id", record.get("question_id", record.get("task_id", default_id)))
+
+    def conversation(messages: list[Message], suffix: str = "") -> Conversation:
+        return Conversation(_normalise(messages), id=f"{record_id}{suffix}", source=source)
+
+    if "conversations" in record or "messages" in record:
+        key = "conversations" if "conversations" in record else "messages"
+        return [conversation(_chat_messages(record[key], key))]
+    if "turns" in record:
+        turns = _list(record, "turns")
+        messages = [Message("user", _string(turn, f"turns[{i}]")) for i, turn in enumerate(turns)]
+        return [Conversation(messages, id=str(record_id), source=source)]  # not merged: one prompt per turn
+    if "instruction" in record:
+        instruction = _string(record["instruction"], "instruction")
+        if "instances" in record:
+            instances = _list(record, "instances")
+            suffixes = [f"-{i}" for i in range(len(instances))] if len(instances) > 1 else [""]
+            return [
+                conversation(_instruction_messages(instruction, instance, f"instances[{i}]"), suffixes[i])
+                for i, instance in enumerate(instances)
+            ]
+        return [conversation(_instruction_messages(instruction, record, ""))]
+    if "question" in record:
+        return [conversation(_exchange(record, "question", "answer"))]
+    if "prompt" in record and "canonical_solution" in record:
+        return [conversation(_exchange(record, "prompt", "canonical_solution"))]
+    keys = ", ".join(sorted(record)[:8])
+    raise _BadRecord(
+        "unknown format",
+        f"unknown record format (keys: {keys}); expected one of 'conversations', 'messages', 'turns', "
+        "'instruction', 'question', or 'prompt' with 'canonical_solution'",
+    )
+
+
+def _chat_messages(items: Any, key: str) -> list[Message]:
+    if not isinstance(items, list):
+        raise _BadRecord("wrong type", f"{key}: expected a list of messages, got {type(items).__name__}")
+    messages = []
+    for i, item in enumerate(items):
+        where = f"{key}[{i}]"
+        if not isinstance(item, dict):
+            raise _BadRecord("wrong type", f"{where}: expected an object, got {type(item).__name__}")
+        # ShareGPT says {"from", "value"}, OpenAI {"role", "content"}; some ShareGPT files use the latter.
+        role_key, content_key = ("from", "value") if "from" in item else ("role", "content")
+        for needed in (role_key, content_key):
+            if needed not in item:
+                raise _BadRecord("missing field", f"{where}: missing field '{needed}'")
+        role = item[role_key]
+        if not isinstance(role, str) or role.lower() not in ROLE_NAMES:
+            known = ", ".join(ROLE_NAMES)
+            raise _BadRecord("unknown role", f"{where}.{role_key}: unknown role {role!r} (known: {known})")
+        messages.append(Message(ROLE_NAMES[role.lower()], _string(item[content_key], f"{where}.{content_key}")))
+    return messages
+
+
+def _normalise(messages: list[Message]) -> list[Message]:
+    """Drop empty and leading assistant messages, merge runs of one role (see read_conversations)."""
+    normalised: list[Message] = []
+    seen_user = False
+    for message in messages:
+        if not message.content.strip():
+            continue
+        if message.role == "assistant" and not seen_user:
+            continue
+        seen_user = seen_user or message.role == "user"
+        if normalised and normalised[-1].role == message.role:
+            normalised[-1] = Message(message.role, normalised[-1].content + "\n\n" + message.content)
+        else:
+            normalised.append(Message(message.role, message.content))
+    return normalised
+
+
+def _instruction_messages(instruction: str, fields: Any, where: str) -> list[Message]:
+    prefix = f"{where}." if where else ""
+    if not isinstance(fields, dict):
+        raise _BadRecord("wrong type", f"{where}: expected an object, got {type(fields).__name__}")
+    extra = _string(fields.get("input") or "", f"{prefix}input")
+    prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    answer_key = "response" if "response" in fields else "output"
+    if answer_key not in fields:
+        raise _BadRecord("missing field", f"{where + ': ' if where else ''}missing field 'response' (or 'output')")
+    return [Message("user", prompt), Message("assistant", _string(fields[answer_key], f"{prefix}{answer_key}"))]
+
+
+def _exchange(record: dict, ask: str, answer: str) -> list[Message]:
+    if answer not in record:
+        raise _BadRecord("missing field", f"missing field '{answer}'")
+    return [Message("user", _string(record[ask], ask)), Message("assistant", _string(record[answer], answer))]
+
+
+def _list(record: dict, key: str) -> list:
+    if not isinstance(record[key], list):
+        raise _BadRecord("wrong type", f"{key}: expected a list, got {type(record[key]).__name__}")
+    return record[key]
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        shown = "null" if value is None else type(value).__name__
+        raise _BadRecord("non-string content", f"{where}: expected a string, got {shown}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# writing
+
+
+def _lines(conversations: Iterable[Conversation]) -> str:
+    return "".join(
+        json.dumps({"id": c.id, "conversations": c.as_dicts()}, ensure_ascii=False) + "\n" for c in conversations
+    )
+
+
+def write_conversations_jsonl(conversations: Iterable[Conversation], path: str | Path) -> None:
+    """Write {"id", "conversations": [{"role", "content"}]} per line, atomically (temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(_lines(conversations), encoding="utf-8")
+    tmp.replace(path)
+
+
+def append_conversations_jsonl(conversations: Iterable[Conversation], path: str | Path) -> None:
+    """Append to a .jsonl file as results arrive (resumable generation); flushed to disk before returning.
+
+    A line cut short by a crash reads back as one skipped malformed record; the next append starts a new line
+    so that it does not glue itself onto that broken line.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        text = _lines(conversations)
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                text = "\n" + text
+        f.write(text.encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())

