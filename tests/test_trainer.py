@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from wingspan.config import TrainConfig
 from wingspan.models.target import TargetModel
-from wingspan.train.trainer import Sequence, learning_rate, plan_batches, train
+from wingspan.data.template import TokenizedConversation
+from wingspan.train.trainer import learning_rate, plan_batches, train
 
 VOCAB = 128
 
@@ -28,13 +29,13 @@ def tiny_target() -> TargetModel:
     return TargetModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "tiny-llama")
 
 
-def sequences(n: int, length: int, seed: int = 0) -> list[Sequence]:
+def sequences(n: int, length: int, seed: int = 0) -> list[TokenizedConversation]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         size = length - (i % 3)
         ids = torch.randint(2, VOCAB, (size,), generator=g).tolist()
-        out.append(Sequence(ids, [0] * 4 + [1] * (size - 4)))
+        out.append(TokenizedConversation(ids, [0] * 4 + [1] * (size - 4)))
     return out
 
 

@@ -117,6 +117,20 @@ def load(cls: type, path: str | Path) -> Any:
         raise ConfigError(f"{path}: {error}") from None
 
 
+def _parse_value(raw: str) -> Any:
+    """YAML scalars and lists, plus the floats YAML 1.1 reads as strings ("3e-4")."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `a.b=value` overrides (value parsed as YAML: numbers, booleans, lists) to a nested mapping."""
     data = json.loads(json.dumps(data))
@@ -124,10 +138,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=3e-4")
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
+        value = _parse_value(raw)
         node = data
         *parents, leaf = key.split(".")
         for part in parents:

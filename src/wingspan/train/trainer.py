@@ -11,22 +11,16 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from wingspan.config import DraftConfig, TrainConfig, save_json
+from wingspan.data.template import TokenizedConversation
 from wingspan.models.draft import Eagle3Draft
 from wingspan.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from wingspan.train.ttt import TTTBatch, simulated_acceptance_length, step_masks, ttt_forward
-
-
-@dataclass
-class Sequence:
-    input_ids: list[int]
-    loss_mask: list[int]
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, shuffle: bool) -> list[list[int]]:
@@ -56,7 +50,7 @@ def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, s
     return batches
 
 
-def collate(sequences: list[Sequence], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(sequences: list[TokenizedConversation], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-pad to the longest: (input_ids, loss_mask, attention_mask), each [B, T]."""
     length = max(len(s.input_ids) for s in sequences)
     ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
@@ -159,7 +153,7 @@ class MetricLog:
         return record
 
 
-def train(config: TrainConfig, target, sequences: list[Sequence], d2t: torch.Tensor, t2d: torch.Tensor, resume: bool = False) -> Path:
+def train(config: TrainConfig, target, sequences: list[TokenizedConversation], d2t: torch.Tensor, t2d: torch.Tensor, resume: bool = False) -> Path:
     """Train a draft on `sequences` against `target`; returns the directory of the final draft."""
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

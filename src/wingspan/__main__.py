@@ -1,0 +1,3 @@
+from wingspan.cli import main
+
+main()

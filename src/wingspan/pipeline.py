@@ -1,0 +1,61 @@
+"""The steps a run is made of, shared by the CLI commands and the quickstart: data -> vocab -> draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from wingspan.config import TrainConfig
+from wingspan.data.conversations import DataError, read_conversations
+from wingspan.data.template import TokenizedConversation, tokenize_conversations
+from wingspan.data.vocab import DraftVocab, build_draft_vocab
+from wingspan.models.target import TargetModel
+
+
+def load_target(config: TrainConfig) -> TargetModel:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    return TargetModel.load(config.target, dtype=config.target_dtype, aux_layer_ids=config.aux_layer_ids)
+
+
+def tokenized_dataset(paths: list[str], tokenizer, max_length: int) -> list[TokenizedConversation]:
+    """Read and tokenize training conversations; skips are counted and printed, never silent."""
+    if not paths:
+        raise DataError("no training data: set `data` to one or more conversation files")
+    records: list[TokenizedConversation] = []
+    for path in paths:
+        conversations, read_report = read_conversations(path, require_assistant=True)
+        tokenized, template_report = tokenize_conversations(tokenizer, conversations, max_length)
+        records += tokenized
+        skips = "; ".join(r.summary() for r in (read_report, template_report) if r.skipped)
+        print(f"{path}: {len(tokenized)} conversations, {sum(len(r.input_ids) for r in tokenized)} tokens"
+              + (f"; {skips}" if skips else ""))
+    return records
+
+
+def draft_vocab(config: TrainConfig, target: TargetModel, records: list[TokenizedConversation]) -> DraftVocab:
+    """The vocab file named in the config, or one built from the assistant tokens of the training data."""
+    if config.vocab:
+        vocab = DraftVocab.load(config.vocab)
+        if vocab.target_vocab_size != target.vocab_size:
+            raise DataError(f"{config.vocab}: built for a target vocab of {vocab.target_vocab_size}, "
+                            f"but {config.target} has {target.vocab_size}")
+        return vocab
+    size = min(config.draft_vocab_size, target.vocab_size)
+    vocab = build_draft_vocab(records, target.vocab_size, size, always_include=target.eos_token_ids)
+    path = Path(config.output_dir) / "vocab.safetensors"
+    vocab.save(path)
+    print(f"draft vocab: {size} tokens cover {vocab.coverage:.1%} of assistant tokens -> {path}")
+    return vocab
+
+
+def run_training(config: TrainConfig, resume: bool = False) -> Path:
+    """Load the target and the data, build the vocab, train; returns the final draft's directory."""
+    from wingspan.train.trainer import train
+
+    target = load_target(config)
+    records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
+    vocab = draft_vocab(config, target, records)
+    return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume)
+
