@@ -22,13 +22,12 @@ def chain_logits(draft: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, origi
     """Inference: prefill positions 0..origin from target features, then feed the draft its own hidden state."""
     caches = new_kv_caches(draft)
     positions = torch.arange(origin + 1)[None]
-    hidden, logits = draft(draft.project_aux(aux[:, : origin + 1]), ids[:, 1 : origin + 2], positions, caches)
-    out = [logits[:, -1]]
-    hidden = hidden[:, -1:]
+    hidden = draft(draft.project_aux(aux[:, : origin + 1]), ids[:, 1 : origin + 2], positions, caches)[:, -1:]
+    out = [draft.logits(hidden)[:, -1]]
     for j in range(1, steps):
         position = torch.tensor([[origin + j]])
-        hidden, logits = draft(hidden, ids[:, origin + j + 1 : origin + j + 2], position, caches)
-        out.append(logits[:, -1])
+        hidden = draft(hidden, ids[:, origin + j + 1 : origin + j + 2], position, caches)
+        out.append(draft.logits(hidden)[:, -1])
     return out
 
 
@@ -40,7 +39,7 @@ def test_training_logits_equal_inference_logits(layers, injection):
     length, steps = 12, 4
     ids = torch.randint(0, 97, (1, length))
     aux = torch.randn(1, length, 72, dtype=torch.double)
-    trained = [logits.detach() for logits in unroll(draft, aux, ids, steps)]
+    trained = [draft.logits(hidden).detach() for hidden in unroll(draft, aux, ids, steps)]
     for origin in range(length - steps - 1):
         inferred = chain_logits(draft, aux, ids, origin, steps)
         for j in range(steps):
@@ -52,9 +51,9 @@ def test_batched_unroll_matches_single_sequences():
     draft = Eagle3Draft(tiny_config(2)).double()
     ids = torch.randint(0, 97, (3, 10))
     aux = torch.randn(3, 10, 72, dtype=torch.double)
-    batched = list(unroll(draft, aux, ids, 3))
+    batched = [draft.logits(h) for h in unroll(draft, aux, ids, 3)]
     for b in range(3):
-        single = list(unroll(draft, aux[b : b + 1], ids[b : b + 1], 3))
+        single = [draft.logits(h) for h in unroll(draft, aux[b : b + 1], ids[b : b + 1], 3)]
         for j in range(3):
             torch.testing.assert_close(batched[j][b], single[j][0])
 
@@ -75,7 +74,7 @@ def test_loss_is_soft_cross_entropy_against_restricted_target():
     ids = torch.randint(0, 97, (2, 9))
     batch = TTTBatch(ids, torch.ones(2, 9), torch.randn(2, 9, 72), torch.randn(2, 9, 97))
     result = ttt_forward(draft, batch, steps=1, step_weights=[1.0])
-    logits = next(unroll(draft, batch.aux_hidden, ids, 1))
+    logits = draft.logits(next(unroll(draft, batch.aux_hidden, ids, 1)))
     target = torch.softmax(batch.target_logits[:, 1:8, ::2][..., :40], dim=-1)
     expected = -(target * torch.log_softmax(logits[:, :7], dim=-1)).sum(-1).mean()
     torch.testing.assert_close(result.loss, expected, rtol=1e-5, atol=1e-5)

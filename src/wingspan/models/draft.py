@@ -142,18 +142,23 @@ class Eagle3Draft(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         caches: list[Attend],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """One draft step.
 
         hidden: [B, T, H]: `project_aux(target aux features)` for positions the target has seen, or the
         draft's own pre-norm output of the previous step. input_ids, positions: [B, T]. caches: one per layer.
-        Returns (pre-norm hidden [B, T, H] for the next step, logits [B, T, draft_vocab_size]).
+        Returns the pre-norm hidden states [B, T, H]: the next step's input, and `logits()`'s.
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(positions, hidden.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):
             hidden = layer(hidden, embeds, cos, sin, cache)
-        return hidden, self.lm_head(self.norm(hidden))
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of pre-norm hidden states; separate from forward so that callers pay the
+        vocab projection only where they need it (the last position, the loss-masked rows)."""
+        return self.lm_head(self.norm(hidden))
 
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden)

@@ -8,6 +8,7 @@ of steps 1..j at i itself: what a chain draft has in its KV cache after j steps 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +21,13 @@ class TTTCache:
     """One layer's keys across the unroll, attended without a [T, T * steps] score matrix.
 
     Step 0 is plain causal attention. At step j each query also sees j "diagonal" keys (its own position
-    in steps 1..j). Those are folded into a single SDPA call over the step-0 keys: j sink keys are added
-    whose score for query i is exactly the diagonal score q_i . k_s[i] (carried in j extra query
-    dimensions), and whose values are one-hot in j extra value channels. SDPA then returns the causal part
-    already normalised by the full softmax denominator, plus the diagonal attention weights, from which
-    the diagonal values are mixed in. Memory stays linear in T (SDPA's fused kernels never store scores).
+    in steps 1..j). Those are folded into a single causal SDPA call over the step-0 keys: j sink keys are
+    put in front whose score for query i is exactly the diagonal score q_i . k_s[i] (carried in j extra
+    query dimensions), and whose values are one-hot in j extra value channels. SDPA then returns the causal
+    part already normalised by the full softmax denominator, plus the diagonal attention weights, from
+    which the diagonal values are mixed in. j dummy queries in front shift the causal diagonal so that
+    every real query sees all sinks: no mask tensor, and SDPA's fused kernel skips the upper triangle and
+    never stores scores, so memory stays linear in T.
     """
 
     def __init__(self) -> None:
@@ -39,21 +42,21 @@ class TTTCache:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         self.diagonal_k.append(k)
         self.diagonal_v.append(v)
-        batch, heads, length, head_dim = q.shape
-        group = heads // k.shape[1]
-        scale = head_dim**-0.5
-        num_sinks = len(self.diagonal_k)
+        batch, heads, _, head_dim = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        sinks = len(self.diagonal_k)
         diag_k = torch.stack(self.diagonal_k, dim=-2).repeat_interleave(group, dim=1)  # [B, h, T, j, d]
         diag_v = torch.stack(self.diagonal_v, dim=-2).repeat_interleave(group, dim=1)
         diag_scores = torch.einsum("bhtd,bhtsd->bhts", q, diag_k)  # unscaled: SDPA applies `scale`
-        q_ext = torch.cat([q, diag_scores], dim=-1)
-        eye = torch.eye(num_sinks, dtype=q.dtype, device=q.device)
-        sinks = torch.cat([eye.new_zeros(num_sinks, head_dim), eye], dim=-1).expand(batch, self.k0.shape[1], -1, -1)
-        k_ext = torch.cat([F.pad(self.k0, (0, num_sinks)), sinks], dim=2)
-        v_ext = torch.cat([F.pad(self.v0, (0, num_sinks)), sinks], dim=2)
-        mask = torch.ones(length, length + num_sinks, dtype=torch.bool, device=q.device)
-        mask[:, :length] = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask, scale=scale, enable_gqa=True)
+        q_ext = F.pad(torch.cat([q, diag_scores], dim=-1), (0, 0, sinks, 0))  # dummy queries in front
+        eye = torch.eye(sinks, dtype=q.dtype, device=q.device)
+        sink_rows = torch.cat([eye.new_zeros(sinks, head_dim), eye], dim=-1).expand(batch, kv_heads, -1, -1)
+        k_ext = torch.cat([sink_rows, F.pad(self.k0, (0, sinks))], dim=2)
+        v_ext = torch.cat([sink_rows, F.pad(self.v0, (0, sinks))], dim=2)
+        out = F.scaled_dot_product_attention(
+            q_ext, k_ext, v_ext, is_causal=True, scale=head_dim**-0.5, enable_gqa=True
+        )[:, :, sinks:]
         causal_part, diag_weights = out[..., :head_dim], out[..., head_dim:]
         return causal_part + torch.einsum("bhts,bhtsd->bhtd", diag_weights, diag_v)
 
@@ -89,14 +92,14 @@ def step_masks(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.stack([shift_left(loss_mask, j + 2) for j in range(steps)])
 
 
-def unroll(draft: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, steps: int):
-    """Yield the draft's logits [B, T, draft_vocab] of steps 0..steps-1 (index i = origin i)."""
+def unroll(draft: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    """Yield the draft's pre-norm hidden states [B, T, H] of steps 0..steps-1 (index i = origin i)."""
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     caches = [TTTCache() for _ in draft.layers]
     hidden = draft.project_aux(aux_hidden.to(draft.fc.weight.dtype))
     for j in range(steps):
-        hidden, logits = draft(hidden, shift_left(input_ids, j + 1), positions + j, caches)
-        yield logits
+        hidden = draft(hidden, shift_left(input_ids, j + 1), positions + j, caches)
+        yield hidden
 
 
 def ttt_forward(
@@ -109,30 +112,35 @@ def ttt_forward(
     """Unroll the draft `steps` times and score each step against the target.
 
     The target distribution is restricted to the draft vocab and renormalised (soft cross-entropy = forward
-    KL up to a constant). `normaliser` [steps] divides each step's loss sum; by default the counts of this
-    micro-batch, but a trainer passes the counts of the whole optimizer step so that accumulation and data
-    parallelism weight every token alike.
+    KL up to a constant). Only counted rows (assistant tokens whose prediction lies inside the sequence)
+    go through the vocab projection. `normaliser` [steps] divides each step's loss sum; by default the
+    counts of this micro-batch, but a trainer passes the counts of the whole optimizer step so that
+    accumulation and data parallelism weight every token alike.
     """
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
     draft_vocab_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=input_ids.device))
-    target_logp = torch.log_softmax(batch.target_logits[..., draft_vocab_ids].float(), dim=-1)
-    target_argmax = batch.target_logits.argmax(dim=-1)
-    masks = step_masks(loss_mask, steps).to(target_logp.dtype)
+    target_p = torch.softmax(batch.target_logits[..., draft_vocab_ids].float(), dim=-1)
+    # max().indices, not argmax(): the latter has no fast bf16 kernel on CPU (5x slower here).
+    target_argmax = batch.target_logits.max(dim=-1).indices
+    masks = step_masks(loss_mask, steps).bool()
+    counts = masks.sum(dim=(1, 2)).float()
     if normaliser is None:
-        normaliser = masks.sum(dim=(1, 2)).clamp(min=1)
+        normaliser = counts.clamp(min=1)
 
-    target_p = target_logp.exp()
     loss = torch.zeros((), device=input_ids.device)
     loss_sums, correct = [], []
-    for j, logits in enumerate(unroll(draft, batch.aux_hidden, input_ids, steps)):
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        token_loss = -(shift_left(target_p, j + 1) * logp).sum(dim=-1)
-        loss_sum = (token_loss * masks[j]).sum()
+    for j, hidden in enumerate(unroll(draft, batch.aux_hidden, input_ids, steps)):
+        # Origin i predicts the target's distribution at position i + j + 1; origins past T - j - 2
+        # predict beyond the sequence and are never counted, so slices replace shifted copies.
+        valid = input_ids.shape[1] - (j + 1)
+        rows = masks[j][:, :valid]
+        logp = torch.log_softmax(draft.logits(hidden[:, :valid][rows]).float(), dim=-1)
+        loss_sum = -(target_p[:, j + 1 :][rows] * logp).sum()
         loss = loss + step_weights[j] * loss_sum / normaliser[j]
-        hits = draft.draft_to_target(logits.argmax(dim=-1)) == shift_left(target_argmax, j + 1)
+        hits = draft.draft_to_target(logp.detach().max(dim=-1).indices) == target_argmax[:, j + 1 :][rows]
         loss_sums.append(loss_sum.detach())
-        correct.append((hits * masks[j]).sum())
-    return TTTResult(loss, torch.stack(loss_sums), torch.stack(correct), masks.sum(dim=(1, 2)))
+        correct.append(hits.sum().float())
+    return TTTResult(loss, torch.stack(loss_sums), torch.stack(correct), counts)
 
 
 def simulated_acceptance_length(step_accuracy: list[float], num_draft_tokens: int) -> float:
