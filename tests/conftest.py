@@ -50,3 +50,23 @@ def tiny_llama_dir(smollm2_tokenizer, tmp_path_factory):
     model.save_pretrained(path)
     smollm2_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def quickstart_dir(tmp_path_factory) -> Path:
+    """The main job's output, made once per session by the real command (`python -m wingspan quickstart`).
+
+    Set WINGSPAN_QUICKSTART_DIR to a finished quickstart output to reuse it instead (20 minutes saved).
+    """
+    import os
+    import subprocess
+    import sys
+
+    reuse = os.environ.get("WINGSPAN_QUICKSTART_DIR")
+    if reuse:
+        out = Path(reuse)
+        assert (out / "vllm-draft" / "config.json").is_file(), f"{out} is not a finished quickstart output"
+        return out
+    out = tmp_path_factory.mktemp("quickstart")
+    subprocess.run([sys.executable, "-m", "wingspan", "quickstart", "--out", str(out)], check=True, timeout=3600)
+    return out

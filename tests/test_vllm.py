@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wingspan.config import DraftConfig
-from wingspan.export.vllm import export_vllm, load_vllm_export
+from wingspan.export.vllm import load_vllm_export
 from wingspan.models.draft import Eagle3Draft
 from wingspan.train.ttt import unroll
 
@@ -38,45 +37,10 @@ def target(target_dir):
     return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
 
-def logit_lens_draft(target, layers: int) -> Eagle3Draft:
-    """An untrained draft that predicts with the target's own head from the last aux layer.
-
-    fc passes aux layer N-3 through, every layer adds zero (o_proj and down_proj are zero), and norm and
-    lm_head are the target's: the draft proposes the target's "logit lens" at layer N-3, which is what
-    position i already predicted, so it is right only on repeated tokens. Of the untrained inits tried it
-    is the only one vLLM accepts anything from (~2% of first drafts on MT-bench; random init: none).
-    """
-    tc = target.config
-    num_layers, hidden = tc.num_hidden_layers, tc.hidden_size
-    config = DraftConfig(
-        hidden_size=hidden, intermediate_size=tc.intermediate_size, num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim, target_hidden_size=hidden,
-        vocab_size=tc.vocab_size, draft_vocab_size=tc.vocab_size // 3,
-        aux_layer_ids=[2, num_layers // 2, num_layers - 3], num_hidden_layers=layers, rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=tc.rope_parameters["rope_theta"], max_position_embeddings=tc.max_position_embeddings,
-    )  # fmt: skip
-    draft = Eagle3Draft(config)
-    # Every third target id, so that d2t holds real offsets and vLLM's mapping path is exercised.
-    target_ids = torch.arange(config.draft_vocab_size) * 3
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-        draft.d2t.copy_(target_ids - torch.arange(config.draft_vocab_size))
-        draft.t2d[target_ids] = True
-        draft.lm_head.weight.copy_(target.lm_head.weight[target_ids])
-        draft.norm.weight.copy_(target.model.norm.weight)
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * hidden :] = torch.eye(hidden)
-        for layer in draft.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return draft
-
-
 @pytest.fixture(scope="module")
-def trained_draft_dir(target, tmp_path_factory) -> Path:
-    """A D=2 draft exported for vLLM. For now untrained (see logit_lens_draft); to be a short real training run."""
-    draft = logit_lens_draft(target, layers=2)
-    return export_vllm(draft, tmp_path_factory.mktemp("draft") / "vllm", target_model_type=target.config.model_type)
+def trained_draft_dir(quickstart_dir) -> Path:
+    """The 2-layer draft that `wingspan quickstart` trains and exports."""
+    return quickstart_dir / "vllm-draft"
 
 
 @torch.no_grad()
@@ -132,6 +96,22 @@ def test_vllm_serves_the_exported_draft(target_dir, target, trained_draft_dir, t
     got = {"drafts": result["drafts"], "accepted_tokens": result["accepted_tokens"], "per_position": per_position}
     for key in ("drafts", "accepted_tokens"):
         assert abs(got[key] - expected[key]) <= max(1, 0.02 * expected[key]), f"vLLM {got}, ours {expected}"
-    # The logit-lens stand-in gets a few repeated tokens accepted (14 of 504 drafts here).
-    # TODO: when `trained_draft_dir` runs a short real training, require a real acceptance length instead.
     assert result["accepted_tokens"] > 0
+
+
+def test_quickstart_draft_speeds_up_mt_bench(target_dir, trained_draft_dir, tmp_path):
+    """The main job's promise: served by vLLM with 3 speculative tokens, greedy, in the training dtype
+    (bf16), the quickstart draft reaches acceptance length >= 1.3 on MT-bench first turns."""
+    out = tmp_path / "referee.json"
+    command = [
+        str(VLLM_PYTHON), str(REFEREE), "--target", target_dir, "--draft", str(trained_draft_dir),
+        "--prompts", str(MT_BENCH), "--num-spec-tokens", "3", "--max-tokens", "256", "--no-baseline",
+        "--dtype", "bfloat16", "--out", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, run.stderr[-5000:]
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 80
+    print(f"vLLM acceptance length on MT-bench: {result['acceptance_length']:.3f}, per position "
+          f"{result['acceptance_rate_per_position']}")
+    assert result["acceptance_length"] >= 1.3

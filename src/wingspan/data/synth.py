@@ -1,0 +1,273 @@
+"""Training conversations written by the target itself, so the draft learns the target's own distribution.
+
+- `synthesize` needs no dataset: the target writes the user turn too, by continuing its own chat
+  template's user-turn prefix (sampled, for variety), then answers it (greedy by default, as evaluation is).
+- `regenerate` keeps the user turns of existing conversations and replaces every assistant turn by the
+  target's reply, turn by turn, each reply conditioned on the target's own earlier replies.
+
+Both append to a JSONL file ({"id", "conversations": [{"role", "content"}]}) after every batch and resume
+from it, and a resumed run writes the same file an uninterrupted one would: batches are fixed in advance
+and each is seeded on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+from tqdm import tqdm
+
+from wingspan.data.conversations import (
+    Conversation,
+    Message,
+    append_conversations_jsonl,
+    write_conversations_jsonl,
+)
+from wingspan.models.target import Generation, TargetModel, end_of_turn_id, special_ids
+
+MIN_USER_CHARS = 10  # shorter sampled user turns are greetings or fragments ("Hi", "What?")
+MAX_STUCK_BATCHES = 20  # synthesize gives up when this many batches in a row yield nothing usable
+
+
+def chat_prompt(target: TargetModel, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered with the target's chat template, ready for the assistant to answer."""
+    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template writes any BOS itself; the tokenizer must not add another.
+    return target.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def user_turn_prefix(target: TargetModel) -> list[int]:
+    """Everything the chat template writes before a first user message's content (default system
+    prompt, role header), found by rendering a sentinel: works for any template."""
+    sentinel = "\uE000wingspan\uE000"
+    text = target.tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
+    if sentinel not in text:
+        raise ValueError(f"{target.name}: the chat template does not render the user message's content")
+    return target.tokenizer(text[: text.index(sentinel)], add_special_tokens=False)["input_ids"]
+
+
+def read_finished(path: Path) -> list[Conversation]:
+    """The complete records of a previous run's output; a last line cut short by an interruption is dropped."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # no newline after it: the write was cut off
+                break
+            raise ValueError(f"{path}:{number}: not valid JSON; is this file the output of an earlier run?") from None
+        messages = [Message(m["role"], m["content"]) for m in record["conversations"]]
+        records.append(Conversation(messages, id=record["id"], source=f"{path}:{number}"))
+    return records
+
+
+def decode(target: TargetModel, generation: Generation) -> str:
+    return target.tokenizer.decode(generation.tokens)
+
+
+# ------------------------------------------------------------------------------------------------------
+
+
+def synthesize(
+    target: TargetModel,
+    num_conversations: int,
+    out_path: str | Path,
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    max_user_tokens: int = 128,
+    user_temperature: float = 1.0,
+    reply_temperature: float = 0.0,
+    seed: int = 0,
+    resume: bool = True,
+) -> int:
+    """Write `num_conversations` single-turn conversations, user and assistant both by the target.
+
+    A user turn is dropped when it does not end within max_user_tokens, is shorter than MIN_USER_CHARS,
+    holds a special token, or repeats an earlier one; a conversation with an empty reply is dropped too.
+    Replies that hit max_new_tokens are kept, cut. Ids are synth-{seed}-{batch}-{index}. Returns the
+    number of conversations in `out_path`.
+    """
+    if user_temperature <= 0:
+        raise ValueError("user_temperature must be > 0: greedy user turns would all be the same")
+    out_path = Path(out_path)
+    done = read_finished(out_path) if resume and out_path.exists() else []
+    if len(done) >= num_conversations:
+        return len(done)
+    batch = 0
+    if done:
+        # The last batch may have been cut short: drop it and generate it again, identically.
+        batch = synth_batch_index(done[-1].id, seed, out_path)
+        done = [c for c in done if synth_batch_index(c.id, seed, out_path) < batch]
+    write_conversations_jsonl(done, out_path)
+
+    prefix = user_turn_prefix(target)
+    # A user turn ends with the template's end-of-user-turn token ([/INST] for Mistral), or any eos.
+    user_end = end_of_turn_id(target.tokenizer, "user")
+    user_stops = sorted(set(target.eos_token_ids) | ({user_end} if user_end is not None else set()))
+    specials = special_ids(target.tokenizer)
+    seen = {c.messages[0].content for c in done}
+    rejected: Counter = Counter()
+    count, stuck = len(done), 0
+    with tqdm(total=num_conversations, initial=count, desc="synthesize", unit="conv") as bar:
+        while count < num_conversations:
+            rng = random.Random(f"synth/{seed}/{batch}")
+            users = []
+            sampled = target.generate(
+                [prefix] * batch_size, max_user_tokens, user_temperature, stop_ids=user_stops, seed=rng.getrandbits(63)
+            )
+            for generation in sampled:
+                text = decode(target, generation).strip()
+                reason = reject_user_turn(generation, text, specials, seen | set(users))
+                if reason:
+                    rejected[reason] += 1
+                else:
+                    users.append(text)
+            reply_seed = rng.getrandbits(63)
+            prompts = [chat_prompt(target, [{"role": "user", "content": u}]) for u in users]
+            replies = target.generate(prompts, max_new_tokens, reply_temperature, seed=reply_seed) if users else []
+            new = []
+            for user, reply in zip(users, replies):
+                if not reply.tokens:
+                    rejected["empty reply"] += 1
+                    continue
+                # Only kept turns count as seen: a resumed run knows no more than what the file holds.
+                seen.add(user)
+                messages = [Message("user", user), Message("assistant", decode(target, reply))]
+                new.append(Conversation(messages, id=f"synth-{seed}-{batch}-{len(new)}", source=str(out_path)))
+            new = new[: num_conversations - count]
+            append_conversations_jsonl(new, out_path)
+            count += len(new)
+            bar.update(len(new))
+            bar.set_postfix(dict(rejected.most_common(3)))
+            stuck = 0 if new else stuck + 1
+            if stuck >= MAX_STUCK_BATCHES:
+                raise RuntimeError(
+                    f"{target.name}: {stuck} batches in a row gave no usable conversation (rejected: "
+                    f"{dict(rejected)}); is it an instruction-tuned model with a chat template?"
+                )
+            batch += 1
+    return count
+
+
+def reject_user_turn(generation: Generation, text: str, specials: set[int], seen: set[str]) -> str | None:
+    """Why a sampled user turn is unusable, or None."""
+    if not generation.stopped:
+        return "too long"
+    if len(text) < MIN_USER_CHARS:
+        return "too short"
+    if specials.intersection(generation.tokens):
+        return "special token"
+    if text in seen:
+        return "duplicate"
+    return None
+
+
+def synth_batch_index(conversation_id: str, seed: int, path: Path) -> int:
+    match = re.fullmatch(rf"synth-{seed}-(\d+)-\d+", conversation_id)
+    if not match:
+        raise ValueError(
+            f"{path}: id {conversation_id!r} is not from a synthesize run with seed {seed}; "
+            "use another output file, or resume=False to overwrite it"
+        )
+    return int(match.group(1))
+
+
+# ------------------------------------------------------------------------------------------------------
+
+
+def regenerate(
+    target: TargetModel,
+    conversations: list[Conversation],
+    out_path: str | Path,
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    max_length: int = 2048,
+    seed: int = 0,
+    resume: bool = True,
+) -> int:
+    """Replace every assistant turn by the target's own reply; add one after each user turn that has none.
+
+    System and user messages are kept as they are, in order, and so are the ids. A conversation stops at
+    the first user turn whose prompt plus max_new_tokens would exceed max_length (its earlier turns are
+    kept; with none left it is skipped). Batches are built from conversations sorted by prompt length
+    (less padding). With resume, conversations whose id is already in `out_path` are not redone.
+    Returns the number of conversations in `out_path`.
+    """
+    ids = Counter(c.id for c in conversations)
+    repeated = [i for i, n in ids.items() if n > 1]
+    if repeated:
+        raise ValueError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
+    out_path = Path(out_path)
+    done = read_finished(out_path) if resume and out_path.exists() else []
+    write_conversations_jsonl(done, out_path)  # drops a line cut short by an interruption
+    finished = {c.id for c in done}
+
+    first_prompt_length = {}
+    for conversation in conversations:
+        turns = conversation.as_dicts()
+        first_user = next(i for i, m in enumerate(turns) if m["role"] == "user")
+        first_prompt_length[conversation.id] = len(chat_prompt(target, turns[: first_user + 1]))
+    ordered = sorted(conversations, key=lambda c: first_prompt_length[c.id])
+    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+    count, too_long = len(done), 0
+    with tqdm(total=len(conversations), desc="regenerate", unit="conv") as bar:
+        for number, batch in enumerate(batches):
+            todo = [c for c in batch if c.id not in finished]
+            bar.update(len(batch) - len(todo))
+            if not todo:
+                continue
+            # The whole batch is generated even when part of it was written before an interruption:
+            # padding, and so the numerics, must be those of the uninterrupted run.
+            replied = reply_turn_by_turn(target, batch, temperature, max_new_tokens, max_length, f"{seed}/{number}")
+            new = [r for r in replied if r.id not in finished and r.has_assistant_turn()]
+            too_long += sum(1 for r in replied if r.id not in finished and not r.has_assistant_turn())
+            append_conversations_jsonl(new, out_path)
+            count += len(new)
+            bar.update(len(todo))
+            if too_long:
+                bar.set_postfix(too_long=too_long)
+    return count
+
+
+def reply_turn_by_turn(
+    target: TargetModel,
+    batch: list[Conversation],
+    temperature: float,
+    max_new_tokens: int,
+    max_length: int,
+    seed: str,
+) -> list[Conversation]:
+    """Answer each user turn of every conversation, one round per turn, each round one batched generate."""
+    rng = random.Random(f"regenerate/{seed}")
+    asked = [[m for m in c.messages if m.role != "assistant"] for c in batch]
+    history: list[list[Message]] = [[] for _ in batch]
+    active = list(range(len(batch)))
+    while active:
+        prompts, waiting = [], []
+        for i in active:
+            # Carry over the messages up to and including the next user turn (a system message may lead).
+            cut = next(k for k, m in enumerate(asked[i]) if m.role == "user") + 1
+            turns = history[i] + asked[i][:cut]
+            prompt = chat_prompt(target, [{"role": m.role, "content": m.content} for m in turns])
+            if len(prompt) + max_new_tokens > max_length:
+                asked[i] = []  # no room for this turn: the conversation ends with its previous reply
+                continue
+            history[i], asked[i] = turns, asked[i][cut:]
+            prompts.append(prompt)
+            waiting.append(i)
+        if waiting:
+            replies = target.generate(prompts, max_new_tokens, temperature=temperature, seed=rng.getrandbits(63))
+            for i, reply in zip(waiting, replies):
+                history[i].append(Message("assistant", decode(target, reply)))
+        active = [i for i in active if any(m.role == "user" for m in asked[i])]
+    return [Conversation(h, id=c.id, source=c.source) for c, h in zip(batch, history)]

@@ -1,0 +1,256 @@
+"""The target model: a transformers causal LM that yields EAGLE-3 aux hidden states and generates text.
+
+Aux id k is the *input* of decoder layer k (= `hidden_states[k]` with output_hidden_states=True, index 0
+being the embedding output), the vLLM convention. They are captured with forward pre-hooks on the decoder
+layers rather than output_hidden_states, which would keep all N+1 states alive at once.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from jinja2 import TemplateError
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from wingspan.models.registry import resolve_target
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class TargetOutput:
+    aux_hidden: torch.Tensor  # [B, T, len(aux_layer_ids) * H], in aux_layer_ids order
+    logits: torch.Tensor | None = None  # [B, T, V]; None when last_hidden was asked for instead
+    last_hidden: torch.Tensor | None = None  # [B, T, H], after the final norm (the lm_head's input)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the new tokens, without the stop token
+    stopped: bool  # ended on a stop token (False: hit max_new_tokens)
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
+    """The decoder layer list: `.layers` of the base model for llama/qwen2/mistral/gemma-style models,
+    else the one ModuleList with num_hidden_layers entries."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
+    if len(candidates) != 1:
+        raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
+    return candidates[0]
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, role: str) -> int | None:
+    """The special token the chat template writes right after a `role` message's content, if any
+    (<|im_end|> for ChatML, <|eot_id|> for Llama 3, [/INST] after a Mistral user turn)."""
+    sentinel = "\uE000wingspan\uE000"  # private-use characters: no template or tokenizer merges them away
+    messages = [{"role": "user", "content": sentinel}]
+    if role == "assistant":
+        messages.append({"role": "assistant", "content": sentinel})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except TemplateError:  # a template that rejects this minimal conversation says nothing about its turns
+        return None
+    if sentinel not in text:
+        return None
+    after = text[text.rindex(sentinel) + len(sentinel) :].lstrip()  # Mistral: "... [/INST]"
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    return ids[0] if ids and ids[0] in special_ids(tokenizer) else None
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Named special tokens (bos, eos, ...) and added tokens marked special (<|im_start|>, ...)."""
+    added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return set(tokenizer.all_special_ids) | added
+
+
+class TargetModel:
+    """A frozen causal LM with its tokenizer: aux hidden states and logits for training, text for data.
+
+    Build it with `TargetModel.load`; the constructor wraps an already loaded model (tests, tools).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        name: str,
+        aux_layer_ids: list[int] | None = None,
+    ) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config.get_text_config()
+        self.layers = decoder_layers(model, self.num_layers)
+        ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else list(aux_layer_ids)
+        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.num_layers]
+        if not ids or bad:
+            raise ValueError(
+                f"aux_layer_ids {ids}: each id must be a decoder layer index in 0..{self.num_layers - 1} "
+                f"({name} has {self.num_layers} layers; id k is the input of layer k)"
+            )
+        self.aux_layer_ids = ids
+        self.eos_token_ids = self._eos_token_ids()
+
+    @classmethod
+    def load(
+        cls,
+        name_or_path: str,
+        dtype: str | torch.dtype = "bfloat16",
+        aux_layer_ids: list[int] | None = None,
+        trust_remote_code: bool = False,
+        device: str | torch.device = "cpu",
+    ) -> TargetModel:
+        """Load an embedded name (see `wingspan models list`), a checkpoint directory or a hub id."""
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        path = resolve_target(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        except OSError as error:
+            where = path if Path(path).is_dir() else "the Hugging Face hub (this needs network access)"
+            raise OSError(f"cannot load target {name_or_path!r} from {where}: {error}") from None
+        return cls(model.to(device), tokenizer, name_or_path, aux_layer_ids)
+
+    # ---------------------------------------------------------------------------------------- shape
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits (can exceed len(tokenizer): embedding tables are often padded)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def _eos_token_ids(self) -> list[int]:
+        """Every id that ends an assistant turn: tokenizer eos, generation_config eos(es), end-of-turn token."""
+        ids = [self.tokenizer.eos_token_id]
+        eos = self.model.generation_config.eos_token_id
+        ids += eos if isinstance(eos, list) else [eos]
+        if self.tokenizer.chat_template:
+            ids.append(end_of_turn_id(self.tokenizer, "assistant"))
+        return sorted({i for i in ids if i is not None})
+
+    # ------------------------------------------------------------------------------------ weights
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def norm_weight(self) -> torch.Tensor:
+        """The final norm's weight (the draft's norm starts from it, matching lm_head rows' input scale)."""
+        return self.model.get_decoder().norm.weight
+
+    # ------------------------------------------------------------------------------------ forward
+
+    @contextmanager
+    def _capture_aux(self) -> Iterator[dict[int, torch.Tensor]]:
+        captured: dict[int, torch.Tensor] = {}
+
+        def hook(layer_id: int):
+            def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+            return record
+
+        handles = [self.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in set(self.aux_layer_ids)]
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()  # not inference_mode: the outputs feed the draft's autograd graph
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        return_last_hidden: bool = False,
+    ) -> TargetOutput:
+        """Aux hidden states plus logits, or plus the final hidden state (skipping the lm_head)."""
+        input_ids = input_ids.to(self.device)
+        attention_mask = None if attention_mask is None else attention_mask.to(self.device)
+        with self._capture_aux() as captured:
+            if return_last_hidden:
+                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            else:
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+        if return_last_hidden:
+            return TargetOutput(aux_hidden=aux, last_hidden=out.last_hidden_state)
+        return TargetOutput(aux_hidden=aux, logits=out.logits)
+
+    # --------------------------------------------------------------------------------- generation
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_ids: list[int] | None = None,
+        seed: int | None = None,
+    ) -> list[Generation]:
+        """Continue each prompt (token ids) in one left-padded batch; greedy when temperature == 0.
+
+        With a `seed`, sampling draws from a forked RNG seeded with it (the global RNG is left as it was),
+        so a batch is reproducible on its own, which is what resumable data generation needs.
+        """
+        stop_ids = self.eos_token_ids if stop_ids is None else stop_ids
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else stop_ids[0]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        # Every knob is set explicitly: unset ones would be filled from the checkpoint's generation_config.
+        if temperature > 0:
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        else:
+            sampling = {"do_sample": False}
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(stop_ids),
+            pad_token_id=pad_id,
+            repetition_penalty=1.0,
+            **sampling,
+        )
+        devices = [] if self.device.type == "cpu" else [self.device]
+        with nullcontext() if seed is None else torch.random.fork_rng(devices=devices):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        stops = set(stop_ids)
+        results = []
+        for row in out[:, width:].tolist():
+            end = next((i for i, token in enumerate(row) if token in stops), None)
+            results.append(Generation(tokens=row if end is None else row[:end], stopped=end is not None))
+        return results
