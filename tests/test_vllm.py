@@ -70,19 +70,21 @@ def expected_counters(target, draft: Eagle3Draft, prompts: list[list[int]], outp
     return {"drafts": drafts, "accepted_tokens": sum(per_position), "per_position": per_position}
 
 
+def referee(target_dir: str, draft_dir: Path, out: Path, *options: str, timeout: int) -> dict:
+    """Run vllm_referee.py in the vLLM venv on MT-bench first turns with 3 speculative tokens."""
+    command = [str(VLLM_PYTHON), str(REFEREE), "--target", target_dir, "--draft", str(draft_dir),
+               "--prompts", str(MT_BENCH), "--num-spec-tokens", "3", "--out", str(out), *options]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
 def test_vllm_serves_the_exported_draft(target_dir, target, trained_draft_dir, tmp_path):
-    out = tmp_path / "referee.json"
     # float32: in bf16 the greedy outputs with and without the draft legitimately differ (4-5 of these 8
     # prompts), always at an exact tie of the top-2 bf16 logits, as batch shapes change the rounding. In
     # float32 they are identical, so identity is asserted there.
-    command = [
-        str(VLLM_PYTHON), str(REFEREE), "--target", target_dir, "--draft", str(trained_draft_dir),
-        "--prompts", str(MT_BENCH), "--num-prompts", "8", "--num-spec-tokens", "3", "--max-tokens", "64",
-        "--dtype", "float32", "--out", str(out),
-    ]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-5000:]
-    result = json.loads(out.read_text())
+    result = referee(target_dir, trained_draft_dir, tmp_path / "referee.json",
+                     "--num-prompts", "8", "--max-tokens", "64", "--dtype", "float32", timeout=900)  # fmt: skip
     assert result["num_prompts"] == 8
     assert result["drafts"] > 0
     assert result["draft_tokens"] == 3 * result["drafts"]
@@ -102,15 +104,8 @@ def test_vllm_serves_the_exported_draft(target_dir, target, trained_draft_dir, t
 def test_quickstart_draft_speeds_up_mt_bench(target_dir, trained_draft_dir, tmp_path):
     """The main job's promise: served by vLLM with 3 speculative tokens, greedy, in the training dtype
     (bf16), the quickstart draft reaches acceptance length >= 1.3 on MT-bench first turns."""
-    out = tmp_path / "referee.json"
-    command = [
-        str(VLLM_PYTHON), str(REFEREE), "--target", target_dir, "--draft", str(trained_draft_dir),
-        "--prompts", str(MT_BENCH), "--num-spec-tokens", "3", "--max-tokens", "256", "--no-baseline",
-        "--dtype", "bfloat16", "--out", str(out),
-    ]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=3000)
-    assert run.returncode == 0, run.stderr[-5000:]
-    result = json.loads(out.read_text())
+    result = referee(target_dir, trained_draft_dir, tmp_path / "referee.json",
+                     "--max-tokens", "256", "--no-baseline", "--dtype", "bfloat16", timeout=3000)  # fmt: skip
     assert result["num_prompts"] == 80
     print(f"vLLM acceptance length on MT-bench: {result['acceptance_length']:.3f}, per position "
           f"{result['acceptance_rate_per_position']}")

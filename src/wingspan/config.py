@@ -198,7 +198,7 @@ class TrainConfig:
     num_hidden_layers: int = 1
     embed_injection: Literal["first", "all"] = "first"
     draft_vocab_size: int = 16384
-    init_lm_head_from_target: bool = True
+    init_from_target: bool = True  # fc passes the last aux layer through; norm, lm_head from the target
     # data
     max_length: int = 1024
     batch_tokens: int = 2048  # token budget of one micro-batch (sequences are bucketed by length)
@@ -225,6 +225,12 @@ class TrainConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_hidden_layers < 1:
+            raise ConfigError(f"num_hidden_layers: must be >= 1, got {self.num_hidden_layers}")
+        if self.draft_vocab_size < 1:
+            raise ConfigError(f"draft_vocab_size: must be >= 1, got {self.draft_vocab_size}")
+        if self.epochs <= 0:
+            raise ConfigError(f"epochs: must be > 0, got {self.epochs}")
         if self.ttt_steps < 1:
             raise ConfigError(f"ttt_steps: must be >= 1, got {self.ttt_steps}")
         if self.max_length < 2:

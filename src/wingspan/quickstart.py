@@ -19,16 +19,16 @@ QUICKSTART_RECIPE = dict(
     draft_vocab_size=8192,
     max_length=1024,
     batch_tokens=2048,
-    ttt_steps=4,
-    lr=1e-3,
+    ttt_steps=3,
+    lr=2e-3,
     warmup_ratio=0.03,
     min_lr_ratio=0.05,
-    epochs=2.0,
+    epochs=3.0,
     autocast_bf16=True,
     save_every=50,
     log_every=10,
 )
-SYNTH = dict(num_conversations=240, batch_size=16, max_new_tokens=384)
+SYNTH = dict(num_conversations=360, batch_size=32, max_new_tokens=256)
 
 
 def run_quickstart(out: Path) -> Path:

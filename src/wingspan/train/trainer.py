@@ -100,9 +100,13 @@ def build_draft(target, config: TrainConfig, d2t: torch.Tensor, t2d: torch.Tenso
     draft.t2d.copy_(t2d)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target.embed_weight())
-        if config.init_lm_head_from_target:
-            # Start from the target's own readout of the draft-vocab rows: the draft then only has to
-            # learn to produce target-like final hidden states, not a vocabulary projection from scratch.
+        if config.init_from_target:
+            # Start in the target's own feature space: fc passes the last aux layer through, and norm and
+            # lm_head are the target's final norm and its readout rows of the draft vocab. The draft then
+            # learns to move target-like hidden states one token ahead, not a vocab projection from scratch.
+            hidden = target.hidden_size
+            draft.fc.weight.zero_()
+            draft.fc.weight[:, -hidden:] = torch.eye(hidden)
             draft.lm_head.weight.copy_(target.lm_head_weight()[draft.draft_to_target(torch.arange(d2t.numel()))])
             draft.norm.weight.copy_(target.norm_weight())
     return draft

@@ -1,0 +1,88 @@
+"""The `wingspan` command end to end on a tiny random target: train -> resume -> export, and clear errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def wingspan(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wingspan", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+@pytest.fixture
+def conversations(tmp_path) -> Path:
+    path = tmp_path / "chat.jsonl"
+    rows = [
+        {"id": f"c{i}", "conversations": [
+            {"role": "user", "content": f"Count from {i} to {i + 5}, please."},
+            {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 6)) + ". Done!"},
+        ]}
+        for i in range(12)
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_command_has_help():
+    for command in (["--help"], ["train", "--help"], ["export", "--help"], ["vocab", "--help"], ["quickstart", "--help"],
+                    ["models", "list", "--help"], ["models", "prepare", "--help"], ["data", "synth", "--help"],
+                    ["data", "regenerate", "--help"]):  # fmt: skip
+        result = wingspan(*command)
+        assert result.returncode == 0, result.stderr
+        assert "Usage" in result.stdout
+
+
+def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
+    run = tmp_path / "run"
+    overrides = [f"target={tiny_llama_dir}", f"data=[{conversations}]", f"output_dir={run}", "target_dtype=float32",
+                 "num_hidden_layers=2", "draft_vocab_size=64", "max_steps=6", "save_every=3", "batch_tokens=1024",
+                 "ttt_steps=3", "log_every=3", "lr=1e-3"]  # fmt: skip
+    first = wingspan("train", *overrides)
+    assert first.returncode == 0, first.stderr[-3000:]
+    config = json.loads((run / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["draft_vocab_size"] == 64
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [3, 6]
+    assert (run / "checkpoints" / "step-6" / "optimizer.safetensors").is_file()
+
+    again = wingspan("train", *overrides)
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+    resumed = wingspan("train", *overrides, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+
+    exported = wingspan("export", str(run / "draft"), "--format", "vllm", "--out", str(tmp_path / "vllm"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    vllm_config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert vllm_config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert vllm_config["num_hidden_layers"] == 2 and vllm_config["draft_vocab_size"] == 64
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lr=fast", "lr: expected a number, got 'fast'"),
+        ("num_hidden_layers=0", "num_hidden_layers: must be >= 1"),
+        ("embed_injection=middle", "embed_injection: 'middle' is not one of ['first', 'all']"),
+        ("learning_rate=1e-3", "unknown field(s) ['learning_rate']"),
+        ("lr", "expected key=value"),
+    ],
+)
+def test_bad_config_is_a_clear_error(override, message):
+    result = wingspan("train", override)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_data_names_file_and_line(tiny_llama_dir, tmp_path):
+    data = tmp_path / "broken.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{not json\n')
+    result = wingspan("train", f"target={tiny_llama_dir}", f"data=[{data}]", f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert str(data) in result.stderr
+    assert "Traceback" not in result.stderr
