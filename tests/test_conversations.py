@@ -15,7 +15,7 @@ from wingspan.data.conversations import (
     write_conversations_jsonl,
 )
 
-SHARED_DATA = Path("/work/shared/data")
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
