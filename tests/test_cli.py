@@ -39,7 +39,7 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
     run = tmp_path / "run"
     overrides = [f"target={tiny_llama_dir}", f"data=[{conversations}]", f"output_dir={run}", "target_dtype=float32",
                  "num_hidden_layers=2", "draft_vocab_size=64", "max_steps=6", "save_every=3", "batch_tokens=1024",
-                 "ttt_steps=3", "log_every=3", "lr=1e-3"]  # fmt: skip
+                 "ttt_steps=3", "log_every=3", "lr=1e-3", "tensorboard=true"]  # fmt: skip
     first = wingspan("train", *overrides)
     assert first.returncode == 0, first.stderr[-3000:]
     config = json.loads((run / "config.json").read_text())
@@ -47,6 +47,7 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [3, 6]
     assert (run / "checkpoints" / "step-6" / "optimizer.safetensors").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
     again = wingspan("train", *overrides)
     assert again.returncode == 2 and "--resume" in again.stderr
