@@ -162,8 +162,6 @@ def train(config: TrainConfig, target, sequences: list[TokenizedConversation], d
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_json(config, run_dir / "config.json")
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
 
     draft = build_draft(target, config, d2t, t2d)
