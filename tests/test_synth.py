@@ -33,7 +33,7 @@ def chatty(tiny_llama_dir):
 
 
 class Interrupted(Exception):
-    pass
+    """Stands for a process killed in the middle of a run."""
 
 
 def interrupt_after(target: TargetModel, calls: int, monkeypatch) -> None:
