@@ -173,7 +173,7 @@ class TargetModel:
     # ------------------------------------------------------------------------------------ forward
 
     @contextmanager
-    def _capture_aux(self) -> Iterator[dict[int, torch.Tensor]]:
+    def capture_aux(self) -> Iterator[dict[int, torch.Tensor]]:
         captured: dict[int, torch.Tensor] = {}
 
         def hook(layer_id: int):
@@ -199,7 +199,7 @@ class TargetModel:
         """Aux hidden states plus logits, or plus the final hidden state (skipping the lm_head)."""
         input_ids = input_ids.to(self.device)
         attention_mask = None if attention_mask is None else attention_mask.to(self.device)
-        with self._capture_aux() as captured:
+        with self.capture_aux() as captured:
             if return_last_hidden:
                 out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             else:
