@@ -174,6 +174,7 @@ class TargetModel:
 
     @contextmanager
     def capture_aux(self) -> Iterator[dict[int, torch.Tensor]]:
+        """Record the input of each aux layer during any forward run inside the block (cached ones too)."""
         captured: dict[int, torch.Tensor] = {}
 
         def hook(layer_id: int):
