@@ -153,3 +153,22 @@ def test_draft_proposals_follow_the_ttt_semantics(predictable_target, layers):
             assert result.accepted_per_round == replayed_acceptance(target, draft, prompt, result.tokens, k)
             accepted += sum(result.accepted_per_round)
     assert accepted > 0
+
+
+def test_fully_accepted_rounds(tiny_llama_dir):
+    """A target that always says FAVOURED, and a draft that always proposes it: every round accepts all K
+    drafts plus the target's own token. The prefill gives the first token, so 16 tokens take
+    1 + ceil(15 / (K + 1)) forwards (the last round proposes fewer drafts so as not to overshoot)."""
+    target = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
+    head = torch.nn.Linear(32, target.vocab_size)
+    with torch.no_grad():
+        head.weight.copy_(target.model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[FAVOURED] = 100.0
+    target.model.lm_head = head
+    draft = make_draft(target, layers=2, seed=0, favour=0)
+    for k in (1, 3, 5):
+        result = speculative_generate(target, draft, PROMPTS[0], 16, num_draft_tokens=k, stop_ids=[])
+        assert result.tokens == [FAVOURED] * 16
+        assert result.accepted_per_round[:-1] == [k] * (len(result.accepted_per_round) - 1)
+        assert result.target_forwards == 1 + -(-15 // (k + 1))
