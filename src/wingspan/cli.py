@@ -102,15 +102,11 @@ def vocab(
     max_length: int = 1024,
 ) -> None:
     """Build the draft vocab (d2t, t2d) from assistant-token frequencies and report its coverage."""
-    from wingspan.data.vocab import build_draft_vocab
     from wingspan.models.target import TargetModel
-    from wingspan.pipeline import tokenized_dataset
+    from wingspan.pipeline import build_vocab, tokenized_dataset
 
     model = TargetModel.load(target)
-    records = tokenized_dataset([str(p) for p in data], model.tokenizer, max_length)
-    built = build_draft_vocab(records, model.vocab_size, min(size, model.vocab_size), always_include=model.eos_token_ids)
-    built.save(out)
-    typer.echo(f"{built.draft_vocab_size} draft tokens cover {built.coverage:.2%} of assistant tokens -> {out}")
+    build_vocab(model, tokenized_dataset([str(p) for p in data], model.tokenizer, max_length), size, out)
 
 
 @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -42,19 +42,22 @@ def draft_vocab(config: TrainConfig, target: TargetModel, records: list[Tokenize
             raise DataError(f"{config.vocab}: built for a target vocab of {vocab.target_vocab_size}, "
                             f"but {config.target} has {target.vocab_size}")
         return vocab
-    size = min(config.draft_vocab_size, target.vocab_size)
-    vocab = build_draft_vocab(records, target.vocab_size, size, always_include=target.eos_token_ids)
-    path = Path(config.output_dir) / "vocab.safetensors"
+    return build_vocab(target, records, config.draft_vocab_size, Path(config.output_dir) / "vocab.safetensors")
+
+
+def build_vocab(target: TargetModel, records: list[TokenizedConversation], size: int, path: Path) -> DraftVocab:
+    """The `size` most frequent assistant tokens (end-of-turn ids always in), saved to `path`."""
+    vocab = build_draft_vocab(records, target.vocab_size, min(size, target.vocab_size), always_include=target.eos_token_ids)
     vocab.save(path)
-    print(f"draft vocab: {size} tokens cover {vocab.coverage:.1%} of assistant tokens -> {path}")
+    print(f"draft vocab: {vocab.draft_vocab_size} tokens cover {vocab.coverage:.1%} of assistant tokens -> {path}")
     return vocab
 
 
-def run_training(config: TrainConfig, resume: bool = False) -> Path:
-    """Load the target and the data, build the vocab, train; returns the final draft's directory."""
+def run_training(config: TrainConfig, resume: bool = False, target: TargetModel | None = None) -> Path:
+    """Load the target (unless given) and the data, build the vocab, train; returns the final draft's directory."""
     from wingspan.train.trainer import train
 
-    target = load_target(config)
+    target = target or load_target(config)
     records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
     vocab = draft_vocab(config, target, records)
     return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume)

@@ -33,11 +33,11 @@ SYNTH = dict(num_conversations=360, batch_size=32, max_new_tokens=256)
 
 def run_quickstart(out: Path) -> Path:
     from wingspan.data.synth import synthesize
+    from wingspan.data.vocab import DraftVocab
     from wingspan.export.vllm import export_vllm
     from wingspan.models.draft import Eagle3Draft
     from wingspan.models.registry import resolve_target
-    from wingspan.pipeline import draft_vocab, load_target, tokenized_dataset
-    from wingspan.train.trainer import train
+    from wingspan.pipeline import load_target, run_training
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -52,15 +52,14 @@ def run_quickstart(out: Path) -> Path:
     synthesize(target, SYNTH["num_conversations"], data_path, batch_size=SYNTH["batch_size"], max_new_tokens=SYNTH["max_new_tokens"], seed=config.seed)
 
     print("[3/4] draft vocab and training")
-    records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
-    vocab = draft_vocab(config, target, records)
     resume = (Path(config.output_dir) / "checkpoints").exists()
-    draft_dir = train(config, target, records, vocab.d2t, vocab.t2d, resume=resume)
+    draft_dir = run_training(config, resume=resume, target=target)
 
     print("[4/4] export for vLLM")
     export_dir = out / "vllm-draft"
     export_vllm(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), export_dir)
 
+    vocab = DraftVocab.load(Path(config.output_dir) / "vocab.safetensors")
     metrics = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
     last = metrics[-1]
     accuracies = "  ".join(f"acc_{j}={last[f'acc_{j}']:.3f}" for j in range(config.ttt_steps))
