@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from wingspan.config import DraftConfig
-from wingspan.decode.speculative import greedy_generate, speculative_generate
-from wingspan.models.draft import Eagle3Draft
+from wingspan.decode import speculative
+from wingspan.decode.speculative import DraftTree, TreeShape, greedy_generate, speculative_generate
+from wingspan.models.draft import Eagle3Draft, new_kv_caches
 from wingspan.models.target import TargetModel
 from wingspan.train.ttt import unroll
 
@@ -172,3 +173,240 @@ def test_fully_accepted_rounds(tiny_llama_dir):
         assert result.tokens == [FAVOURED] * 16
         assert result.accepted_per_round[:-1] == [k] * (len(result.accepted_per_round) - 1)
         assert result.target_forwards == 1 + -(-15 // (k + 1))
+
+
+TREES = [TreeShape(3, 2, 5), TreeShape(4, 3, 10), TreeShape(2, 4, 8), TreeShape(5, 2, 12)]
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_tree_gives_the_greedy_tokens(target, layers):
+    draft = make_draft(target, layers, seed=layers)
+    for prompt in PROMPTS[:3]:
+        expected = reference(target, prompt, 12, [])
+        for shape in TREES:
+            result = speculative_generate(target, draft, prompt, 12, stop_ids=[], tree=shape)
+            assert result.tokens == expected, (prompt, shape)
+            assert result.target_forwards == 1 + len(result.accepted_per_round)
+
+
+def first_child_paths_only(monkeypatch) -> list[bool]:
+    """Record, per verification, whether the accepted path took a child other than the best-scored one."""
+    verify, side_branches = speculative._verify, []
+
+    def recording(tree: DraftTree, logits, temperature, generator):
+        path, token = verify(tree, logits, temperature, generator)
+        side_branches.append(any(tree.children(tree.parents[node])[0] != node for node in path))
+        return path, token
+
+    monkeypatch.setattr(speculative, "_verify", recording)
+    return side_branches
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_tree_accepts_side_branches_and_keeps_the_greedy_tokens(predictable_target, layers, monkeypatch):
+    """A draft biased towards FAVOURED proposes it first or among its top-k: paths through side branches
+    must be accepted, and the target cache rebuilt from them (`_keep_rows`) must keep the output exact."""
+    target = predictable_target
+    draft = make_draft(target, layers, seed=10 + layers, favour=4.0)
+    side_branches = first_child_paths_only(monkeypatch)
+    tree_accepted = chain_accepted = 0
+    for prompt in PROMPTS:
+        expected = reference(target, prompt, 24, [])
+        chain = speculative_generate(target, draft, prompt, 24, num_draft_tokens=4, stop_ids=[])
+        tree = speculative_generate(target, draft, prompt, 24, stop_ids=[], tree=TreeShape(4, 3, 12))
+        assert chain.tokens == tree.tokens == expected
+        assert 1 + sum(a + 1 for a in tree.accepted_per_round) == len(expected)
+        chain_accepted, tree_accepted = chain_accepted + sum(chain.accepted_per_round), tree_accepted + sum(tree.accepted_per_round)
+    assert any(side_branches)
+    assert tree_accepted > chain_accepted > 0
+
+
+@pytest.mark.parametrize("shape", [TreeShape(3, 2, 5), TreeShape(4, 3, 10)])
+def test_tree_edges(predictable_target, shape):
+    target = predictable_target
+    draft = make_draft(target, 2, seed=3, favour=6.0)
+    prompt = PROMPTS[1]
+    full = reference(target, prompt, 16, [])
+    for n in (0, 1, 2, 3, 4, 5, 16):
+        result = speculative_generate(target, draft, prompt, n, stop_ids=[], tree=shape)
+        assert result.tokens == full[:n] and not result.stopped, n
+        assert all(d <= shape.depth for d in result.drafted_per_round)
+    at = full.index(FAVOURED)
+    result = speculative_generate(target, draft, prompt, 16, stop_ids=[FAVOURED], tree=shape)
+    assert result.tokens == full[:at] and result.stopped
+
+
+def test_tree_nodes_follow_the_chain_semantics(target):
+    """Every node's children are the top-k of the draft's logits along that node's path run as a chain
+    (fresh caches, no tree mask): the tree attention mask hides exactly the other branches."""
+    draft = make_draft(target, 2, seed=7)
+    prompt = PROMPTS[2]
+    aux = target.forward(torch.tensor([prompt])).aux_hidden
+    shape = TreeShape(4, 3, 30)
+
+    def step0(caches):
+        positions = torch.arange(len(prompt) - 1)[None]
+        ids = torch.tensor([prompt[1:]])
+        return draft(draft.project_aux(aux[:, :-1]), ids, positions, caches)[:, -1:]
+
+    with torch.no_grad():
+        caches = new_kv_caches(draft)
+        tree = speculative._draft_tree(draft, step0(caches), len(prompt) - 2, caches, shape, 0.0, None)
+        assert len(tree.tokens) == 30 and max(tree.depths) == 4
+        for node in range(len(tree.tokens)):
+            children = tree.children(node)
+            if not children:
+                continue
+            path = [node]
+            while tree.parents[path[0]] >= 0:
+                path.insert(0, tree.parents[path[0]])
+            caches = new_kv_caches(draft)
+            hidden = step0(caches)
+            for depth, step in enumerate(path, start=1):
+                position = torch.tensor([[len(prompt) - 2 + depth]])
+                hidden = draft(hidden, torch.tensor([[tree.tokens[step]]]), position, caches)
+            top = draft.draft_to_target(draft.logits(hidden)[0, -1].topk(3).indices).tolist()
+            assert [tree.tokens[c] for c in children] == top[: len(children)], node
+
+
+def test_tree_verification_matches_plain_forwards(target):
+    """The target's tree-masked logits at each node equal a plain forward over prompt + that node's path."""
+    tree = DraftTree(
+        tokens=[11, 12, 13, 14, 15, 16], parents=[-1, -1, 0, 0, 1, 2], depths=[1, 1, 2, 2, 2, 3],
+        proposals=[None] * 6,
+    )  # fmt: skip
+    prompt = PROMPTS[0]
+    cache = speculative.DynamicCache()
+    speculative._target_step(target, prompt[:-1], cache)
+    logits, aux = speculative._target_step(target, [prompt[-1]] + tree.tokens, cache, tree)
+    for node in range(len(tree.tokens)):
+        path = [node]
+        while tree.parents[path[0]] >= 0:
+            path.insert(0, tree.parents[path[0]])
+        plain = target.forward(torch.tensor([prompt + [tree.tokens[i] for i in path]]))
+        torch.testing.assert_close(logits[node + 1], plain.logits[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(aux[node + 1], plain.aux_hidden[0, -1], atol=1e-5, rtol=1e-5)
+    # Accepting the side path root -> node 1 -> node 4 leaves the cache a plain forward over it would make.
+    speculative._keep_rows(cache, len(prompt) - 1, [0, 2, 5])
+    plain = speculative.DynamicCache()
+    speculative._target_step(target, prompt + [12, 15], plain)
+    assert cache.get_seq_length() == plain.get_seq_length() == len(prompt) + 2
+    for kept, expected in zip(cache.layers, plain.layers, strict=True):
+        torch.testing.assert_close(kept.keys, expected.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kept.values, expected.values, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_verification_walks_the_longest_matching_path():
+    tree = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, -1, 1, 2], depths=[1, 1, 2, 3], proposals=[None] * 4)
+    logits = torch.full((5, 10), -1.0)
+    for row, best in enumerate([6, 0, 7, 9, 3]):  # root -> 6 (node 1) -> 7 (node 2) -> 9: not a child
+        logits[row, best] = 1.0
+    assert speculative._verify(tree, logits, 0.0, None) == ([1, 2], 9)
+    logits[3, 9], logits[3, 8] = -1.0, 1.0  # now node 2's best is 8 (node 3), whose best is 3
+    assert speculative._verify(tree, logits, 0.0, None) == ([1, 2, 3], 3)
+
+
+def test_tree_shape_is_validated():
+    with pytest.raises(ValueError, match="total_tokens can be at most"):
+        TreeShape(2, 2, 7)
+    with pytest.raises(ValueError, match=">= 1"):
+        TreeShape(0, 2, 2)
+
+
+SMALL_VOCAB = 12
+
+
+@pytest.fixture(scope="module")
+def small_target(smollm2_tokenizer) -> TargetModel:
+    """A random Llama over 12 tokens with logits scaled to about 1.3 nats of entropy: every continuation of
+    a few tokens has a probability large enough to count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config)
+    model.lm_head.weight.data *= 6.0
+    return TargetModel(model, smollm2_tokenizer, "small-vocab llama", aux_layer_ids=[1, 2, 3])
+
+
+def small_draft(target: TargetModel) -> Eagle3Draft:
+    """A draft over 8 of the 12 tokens: the other 4 have q = 0, so the residual must supply them."""
+    config = DraftConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        target_hidden_size=32, vocab_size=SMALL_VOCAB, draft_vocab_size=8, aux_layer_ids=[1, 2, 3],
+        num_hidden_layers=2,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        draft = Eagle3Draft(config)
+    vocab = torch.tensor([0, 1, 3, 4, 6, 7, 9, 10])
+    draft.d2t.copy_(vocab - torch.arange(8))
+    draft.t2d[vocab] = True
+    draft.embed_tokens.weight.data.copy_(target.embed_weight())
+    # Close to the target, as a trained draft is: fc passes the input of the target's last layer through,
+    # the draft's own layers add little, and norm and lm_head are the target's (its rows of the vocab).
+    draft.fc.weight.data.zero_()
+    draft.fc.weight.data[:, 64:] = torch.eye(32)
+    for layer in draft.layers:
+        layer.self_attn.o_proj.weight.data *= 0.1
+        layer.mlp.down_proj.weight.data *= 0.1
+    draft.norm.weight.data.copy_(target.norm_weight())
+    draft.lm_head.weight.data.copy_(target.lm_head_weight()[vocab])
+    return draft.eval()
+
+
+def exact_distribution(target: TargetModel, prompt: list[int], length: int, temperature: float) -> torch.Tensor:
+    """P(x_1..x_length) of the target's sampling, by enumerating every continuation: [V] * length."""
+    joint = torch.ones(())
+    prefixes = torch.tensor([prompt])
+    for _ in range(length):
+        with torch.no_grad():
+            logits = target.model(input_ids=prefixes).logits[:, -1]
+        step = torch.softmax(logits.double() / temperature, dim=-1)  # [prefixes, V]
+        joint = (joint.reshape(-1, 1) * step).reshape(*joint.shape, SMALL_VOCAB)
+        tokens = torch.arange(SMALL_VOCAB).repeat(prefixes.shape[0])
+        prefixes = torch.cat([prefixes.repeat_interleave(SMALL_VOCAB, 0), tokens[:, None]], dim=1)
+    return joint
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's test of counts against probs, with cells expected below `min_expected` pooled into one."""
+    counts, probs = counts.flatten().double(), probs.flatten()
+    expected = probs * counts.sum()
+    small = expected < min_expected
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    statistic = float(((observed - expected) ** 2 / expected.clamp_min(1e-12)).sum())
+    dof = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
+
+
+@pytest.mark.parametrize("tree", [None, TreeShape(2, 3, 6)], ids=["chain", "tree"])
+def test_rejection_sampling_keeps_the_target_distribution(small_target, tree):
+    """Sampled speculative decoding of 4 tokens (the prefill token, then rounds of up to 2 drafts), 3000 times: the empirical joint of tokens 2-4 and each token's marginal fit the target's exact
+    distribution (chi-square, p > 1e-3 each). The draft's proposals alone are far from it: a sampler that
+    accepted every draft, or skipped the residual, fails these tests (checked by breaking the code)."""
+    target, draft = small_target, small_draft(small_target)
+    prompt, temperature, runs = [3, 5, 7], 0.9, 3000
+    exact = exact_distribution(target, prompt, 4, temperature)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros([SMALL_VOCAB] * 4)
+    accepted = rejected = 0
+    for _ in range(runs):
+        result = speculative_generate(
+            target, draft, prompt, 4, num_draft_tokens=2, stop_ids=[], tree=tree, temperature=temperature,
+            generator=generator,
+        )  # fmt: skip
+        assert len(result.tokens) == 4
+        counts[tuple(result.tokens)] += 1
+        accepted += result.accepted_per_round[0]
+        rejected += result.accepted_per_round[0] < 2
+    assert accepted > 0.2 * runs and rejected > 0.2 * runs  # both branches of the rule are exercised
+    assert chi_square_p_value(counts.sum(0), exact.sum(0)) > 1e-3
+    for position in range(4):
+        others = tuple(i for i in range(4) if i != position)
+        assert chi_square_p_value(counts.sum(others), exact.sum(others)) > 1e-3, position

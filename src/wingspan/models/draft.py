@@ -212,18 +212,33 @@ class KVCache:
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """mask: [new, past + new] bool (True = may attend), for tree drafting; default causal."""
         past = self.length
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         new = q.shape[2]
-        mask = torch.ones(new, past + new, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        if mask is None:
+            mask = torch.ones(new, past + new, dtype=torch.bool, device=q.device).tril(diagonal=past)
         return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=True)
 
     def crop(self, length: int) -> None:
         """Forget everything after the first `length` positions (rejected draft tokens)."""
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class MaskedAttend:
+    """`cache` under an explicit attention mask for one forward: tree drafting, where each node sees the
+    verified prefix and its own ancestors only."""
+
+    def __init__(self, cache: KVCache, mask: torch.Tensor) -> None:
+        self.cache, self.mask = cache, mask
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.cache.attend(q, k, v, self.mask)
 
 
 def new_kv_caches(model: Eagle3Draft) -> list[KVCache]:
