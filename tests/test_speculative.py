@@ -5,7 +5,7 @@ import torch
 
 from wingspan.config import DraftConfig
 from wingspan.decode import speculative
-from wingspan.decode.speculative import DraftTree, TreeShape, greedy_generate, speculative_generate
+from wingspan.decode.speculative import DraftTree, TreeShape, plain_generate, speculative_generate
 from wingspan.models.draft import Eagle3Draft, new_kv_caches
 from wingspan.models.target import TargetModel
 from wingspan.train.ttt import unroll
@@ -74,7 +74,7 @@ def test_random_draft_gives_the_greedy_tokens(target, layers):
     draft = make_draft(target, layers, seed=layers)
     for prompt in PROMPTS[:3]:
         expected = reference(target, prompt, 12, [])
-        assert greedy_generate(target, prompt, 12, []).tokens == expected
+        assert plain_generate(target, prompt, 12, []).tokens == expected
         for k in (1, 3, 5):
             result = speculative_generate(target, draft, prompt, 12, num_draft_tokens=k, stop_ids=[])
             assert result.tokens == expected, (prompt, k)

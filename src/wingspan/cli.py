@@ -1,4 +1,4 @@
-"""The `wingspan` command: models, data, vocab, train, export, quickstart."""
+"""The `wingspan` command: models, data, vocab, train, eval, export, quickstart."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import typer
 
 from wingspan.config import ConfigError, TrainConfig, apply_overrides, from_dict, read_mapping, to_dict
 from wingspan.data.conversations import DataError
+from wingspan.eval import MissingPackageError
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 models_app = typer.Typer(help="Targets: the embedded defaults, converted once into a local cache.", no_args_is_help=True)
@@ -134,6 +135,77 @@ def train(
     typer.echo(f"draft: {final}")
 
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+
+
+def parse_tree(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise typer.BadParameter(f"{text!r}: expected DEPTH,TOPK,TOTAL, e.g. 5,8,48", param_hint="--tree")
+    depth, top_k, total = (int(p) for p in parts)
+    return depth, top_k, total
+
+
+@app.command("eval")
+def evaluate_draft(
+    draft: Annotated[Path, typer.Option(help="A draft directory (run/draft, a checkpoint) or a vLLM export.")],
+    out: Annotated[Path, typer.Option(help="Output directory: results.json, results.md, acceptance.png.")],
+    sets: Annotated[str, typer.Option(
+        help="Comma-separated prompt sets: named (mt_bench, gsm8k, humaneval), NAME=PATH (a file, or for "
+        "mt_bench/gsm8k a local copy of the hub dataset), or a file (.jsonl/.json EAGLE questions or "
+        "conversations, .txt one prompt a line).")] = "mt_bench,gsm8k,humaneval",
+    target: TargetOption = "smollm2-135m-instruct",
+    num_draft_tokens: Annotated[int, typer.Option(help="Drafts per round (a chain).")] = 3,
+    tree: Annotated[Optional[str], typer.Option(
+        help="EAGLE-2 tree instead of a chain: DEPTH,TOPK,TOTAL (e.g. 5,8,48).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Cap on each reply (per turn).")] = 256,
+    temperature: Annotated[float, typer.Option(
+        help="0 = greedy (outputs must equal the baseline's); above, both decoders sample.")] = 0.0,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N prompts of each set.")] = None,
+    dtype: Annotated[str, typer.Option(help="Target (and draft) dtype: bf16, fp32 or fp16.")] = "bf16",
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
+    seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
+    warmup: Annotated[int, typer.Option(help="Prompts decoded untimed first, by both decoders.")] = 1,
+) -> None:
+    """Measure a draft: acceptance length, acceptance per draft position and speedup over plain greedy
+    decoding of the same target, run side by side on each prompt. See docs/evaluation.md."""
+    import torch
+
+    from wingspan.eval.prompts import EvalPrompt, load_prompt_set
+    from wingspan.eval.report import markdown, require_matplotlib, write_report
+    from wingspan.eval.runner import EvalSettings, evaluate, load_models
+    from wingspan.models.target import DTYPES
+
+    depth, top_k, total = parse_tree(tree) if tree else (None, None, None)
+    settings = EvalSettings(
+        num_draft_tokens=num_draft_tokens, tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total,
+        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, limit=limit, warmup_prompts=warmup,
+    )  # fmt: skip
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"{dtype!r}: expected bf16, fp32 or fp16", param_hint="--dtype")
+    # Everything that can fail fast does, before the models load and the decoding starts.
+    require_matplotlib()
+    prompt_sets: dict[str, list[EvalPrompt]] = {}
+    for spec in filter(None, (s.strip() for s in sets.split(","))):
+        name, prompts = load_prompt_set(spec, settings.limit)
+        if name in prompt_sets:
+            raise ConfigError(f"--sets: two sets are named {name!r}; name them apart, e.g. a=PATH,b=PATH")
+        prompt_sets[name] = prompts
+    if not prompt_sets:
+        raise ConfigError("--sets: no prompt set given")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model, draft_model = load_models(target, draft, dtype)
+    results = []
+    for name, prompts in prompt_sets.items():
+        results.append(evaluate(model, draft_model, prompts, settings, name=name))
+        # After every set: a long run that fails later keeps what it measured.
+        write_report(out, results, settings, target=target, draft=str(draft), dtype=dtype)
+    typer.echo(markdown(results, settings, target=target, draft=str(draft), dtype=dtype))
+    typer.echo(f"wrote {out}/results.json, results.md, acceptance.png")
+
+
 @app.command("export")
 def export(
     draft: Annotated[Path, typer.Argument(help="A draft directory (run/draft or a checkpoint).")],
@@ -165,7 +237,7 @@ def quickstart(
 def main() -> None:
     try:
         app()
-    except (ConfigError, DataError, FileNotFoundError, FileExistsError) as error:
+    except (ConfigError, DataError, FileNotFoundError, FileExistsError, MissingPackageError) as error:
         typer.echo(f"error: {error}", err=True)
         raise SystemExit(2) from None
 

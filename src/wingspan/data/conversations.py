@@ -49,6 +49,7 @@ class Conversation:
     messages: list[Message]
     id: str
     source: str  # where it was read: "path:line" (.jsonl) or "path[index]" (.json)
+    category: str | None = None  # the record's "category" (MT-bench: writing, math, ...), for per-category eval
 
     def has_assistant_turn(self) -> bool:
         return any(m.role == "assistant" for m in self.messages)
@@ -202,9 +203,10 @@ def _parse_record(record: Any, source: str, default_id: str) -> list[Conversatio
     if not isinstance(record, dict):
         raise _BadRecord("not a JSON object", f"expected a JSON object, got {type(record).__name__}")
     record_id = record.get("id", record.get("question_id", record.get("task_id", default_id)))
+    category = record["category"] if isinstance(record.get("category"), str) else None
 
     def conversation(messages: list[Message], suffix: str = "") -> Conversation:
-        return Conversation(_normalise(messages), id=f"{record_id}{suffix}", source=source)
+        return Conversation(_normalise(messages), id=f"{record_id}{suffix}", source=source, category=category)
 
     if "conversations" in record or "messages" in record:
         key = "conversations" if "conversations" in record else "messages"
@@ -212,7 +214,8 @@ def _parse_record(record: Any, source: str, default_id: str) -> list[Conversatio
     if "turns" in record:
         turns = _list(record, "turns")
         messages = [Message("user", _string(turn, f"turns[{i}]")) for i, turn in enumerate(turns)]
-        return [Conversation(messages, id=str(record_id), source=source)]  # not merged: one prompt per turn
+        # Not merged: each turn is one prompt, asked after the model answered the previous one.
+        return [Conversation(messages, id=str(record_id), source=source, category=category)]
     if "instruction" in record:
         instruction = _string(record["instruction"], "instruction")
         if "instances" in record:

@@ -171,7 +171,7 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
 
 
 @torch.no_grad()
-def greedy_generate(
+def plain_generate(
     target: TargetModel,
     prompt_ids: list[int],
     max_new_tokens: int,

@@ -1,0 +1,128 @@
+"""The files of a `wingspan eval` run: results.json (everything, per prompt too), results.md (one table row per
+set) and acceptance.png (acceptance per draft position, one line per set). Each is written to a temporary
+name and renamed, so an interrupted run never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from wingspan.config import to_dict
+from wingspan.eval import import_optional
+from wingspan.eval.runner import EvalSettings, SetResult
+
+COLUMNS = ("set", "prompts", "tau", "acceptance per position", "accepted/round", "spec tok/s", "greedy tok/s",
+           "speedup", "outputs differing")  # fmt: skip
+
+
+def write_report(out_dir: str | Path, sets: list[SetResult], settings: EvalSettings, *,
+                 target: str, draft: str, dtype: str) -> None:  # fmt: skip
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {
+        "target": target,
+        "draft": draft,
+        "dtype": dtype,
+        "settings": to_dict(settings),
+        "environment": {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+        },
+        "sets": [to_dict(result) for result in sets],
+    }
+    write_atomically(out_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    write_atomically(out_dir / "results.md", markdown(sets, settings, target=target, draft=draft, dtype=dtype))
+    plot_acceptance(sets, out_dir / "acceptance.png")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def decoding(settings: EvalSettings) -> str:
+    tree = settings.tree
+    drafts = (f"tree (depth {tree.depth}, top-k {tree.top_k}, {tree.total_tokens} tokens)" if tree
+              else f"chain of {settings.num_draft_tokens} drafts")  # fmt: skip
+    sampling = f"temperature {settings.temperature:g}" if settings.temperature > 0 else "greedy"
+    return f"{drafts}, {sampling}, up to {settings.max_new_tokens} new tokens per turn"
+
+
+def number(value: float | None, digits: int, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def table_row(result: SetResult) -> list[str]:
+    differing = f"{result.outputs_differing} / {result.num_prompts}"
+    if result.outputs_differing is None:
+        differing = "n/a (sampled)"
+    return [
+        result.name,
+        str(result.num_prompts),
+        number(result.acceptance_length, 3),
+        " / ".join(f"{r:.2f}" for r in result.acceptance_per_position) or "n/a",
+        number(result.mean_accepted_per_round, 3),
+        number(result.spec_tokens_per_s, 1),
+        number(result.greedy_tokens_per_s, 1),
+        number(result.speedup, 2, "x"),
+        differing,
+    ]
+
+
+def markdown(sets: list[SetResult], settings: EvalSettings, *, target: str, draft: str, dtype: str) -> str:
+    lines = [
+        "# wingspan eval",
+        "",
+        f"Target `{target}` ({dtype}), draft `{draft}`: {decoding(settings)}; "
+        f"torch {torch.__version__}, threads: {torch.get_num_threads()}.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|---|" + "---:|" * 2 + "---|" + "---:|" * (len(COLUMNS) - 4),
+        *("| " + " | ".join(table_row(result)) + " |" for result in sets),
+        "",
+        "tau: tokens per verification forward, the accepted drafts plus the target's own token (the prefill is "
+        "not a verification), over all rounds of the set. Acceptance per position j: of the rounds that proposed "
+        "a j-th draft, the share that accepted it. Tokens/s: wall clock of each decoder on the same prompts, "
+        "run side by side; speedup = spec / greedy.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def require_matplotlib() -> None:
+    """Fail now, not after the evaluation, when the plot cannot be drawn."""
+    import_optional("matplotlib", "matplotlib", "the acceptance plot (acceptance.png)")
+
+
+def plot_acceptance(sets: list[SetResult], path: Path) -> None:
+    """Acceptance rate per draft position, one line per set (tau in the legend)."""
+    require_matplotlib()
+    # The Agg canvas directly, not pyplot: no GUI backend, no global figure state.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(6, 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for result in sets:
+        rates = result.acceptance_per_position
+        if rates:
+            tau = number(result.acceptance_length, 2)
+            axes.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{result.name} (tau {tau})")
+    axes.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="Acceptance per draft position")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.grid(alpha=0.3)
+    if axes.lines:
+        axes.legend()
+    tmp = path.with_name(path.name + ".tmp")
+    figure.savefig(tmp, format="png", dpi=120)
+    tmp.replace(path)

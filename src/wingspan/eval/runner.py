@@ -1,0 +1,293 @@
+"""Speculative decoding against the plain greedy baseline, prompt by prompt, on the same target.
+
+Each prompt is decoded both ways in one process, one right after the other, and which goes first alternates
+from prompt to prompt, so that slow drifts (clock speed, other load, cache state) weigh on both alike. A
+prompt's turns are asked in order; each decoder answers the next turn after its *own* previous reply (the
+conversation is re-rendered with the chat template from the decoded text, as a chat client would send it).
+
+Metrics (docs/evaluation.md has the full story):
+- acceptance length tau: tokens per verification round, sum(accepted + 1) / rounds: the accepted drafts plus
+  the target's own ("bonus") token. The prefill forward verifies nothing and its token is not counted, so tau
+  is vLLM's `1 + accepted / drafts`. Over a set: all tokens / all rounds, not a mean of per-prompt ratios;
+- acceptance per draft position j: of the rounds that proposed at least j + 1 drafts, the share that
+  accepted more than j of them;
+- tokens/s of each decoder over the whole set (wall clock around each decoding call, prefill included), and
+  the speedup = speculative tokens/s / greedy tokens/s;
+- outputs differing from greedy: 0 in float32 by construction; in bf16 exact ties of the top two logits can
+  break differently between a 1-token and a (k+1)-token forward.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from wingspan.config import ConfigError, DraftConfig, load
+from wingspan.data.synth import chat_prompt
+from wingspan.decode.speculative import SpecResult, TreeShape, plain_generate, speculative_generate
+from wingspan.eval.prompts import EvalPrompt
+from wingspan.export.vllm import ARCHITECTURE, draft_config_from_vllm, is_vllm_export, load_vllm_export
+from wingspan.models.draft import Eagle3Draft
+from wingspan.models.target import TargetModel
+
+WARMUP_TOKENS = 16  # enough to allocate caches and pick kernels for every shape a round uses
+
+# (prompt ids, max_new_tokens, generator) -> result: one decoder with everything else fixed.
+Decoder = Callable[[list[int], int, torch.Generator | None], SpecResult]
+
+
+@dataclass
+class EvalSettings:
+    """How `wingspan eval` decodes; saved in results.json."""
+
+    num_draft_tokens: int = 3  # chain length (ignored with a tree: its depth is the drafts per round)
+    tree_depth: int | None = None  # EAGLE-2 tree: all three set, or none for a chain
+    tree_top_k: int | None = None
+    tree_total_tokens: int | None = None
+    max_new_tokens: int = 256  # per turn
+    temperature: float = 0.0  # 0: greedy; above, both decoders sample (outputs are then not compared)
+    seed: int = 0  # with the prompt id, seeds each prompt's sampling
+    limit: int | None = None  # the first N prompts of each set
+    warmup_prompts: int = 1  # untimed runs of both decoders before measuring
+
+    def __post_init__(self) -> None:
+        tree = (self.tree_depth, self.tree_top_k, self.tree_total_tokens)
+        if any(v is None for v in tree) and any(v is not None for v in tree):
+            raise ConfigError(f"tree: give depth, top_k and total_tokens together, got {tree}")
+        if self.tree_depth is not None:
+            try:
+                TreeShape(self.tree_depth, self.tree_top_k, self.tree_total_tokens)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+        for name in ("num_draft_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit: must be >= 1, got {self.limit}")
+        if self.warmup_prompts < 0:
+            raise ConfigError(f"warmup_prompts: must be >= 0, got {self.warmup_prompts}")
+
+    @property
+    def tree(self) -> TreeShape | None:
+        if self.tree_depth is None:
+            return None
+        return TreeShape(self.tree_depth, self.tree_top_k, self.tree_total_tokens)
+
+
+@dataclass
+class Turn:
+    """One turn of one decoder's conversation."""
+
+    prompt_tokens: int
+    result: SpecResult
+    seconds: float  # wall clock around the decoding call
+    reply: str  # the decoded tokens, which the next turn's prompt carries
+
+
+@dataclass
+class PromptResult:
+    """A prompt (all its turns) decoded both ways. Rounds are the speculative decoder's verification forwards."""
+
+    id: str
+    category: str | None
+    prompt_tokens: list[int]  # per turn (the speculative conversation's)
+    new_tokens: int  # speculative, all turns
+    greedy_new_tokens: int
+    rounds: int
+    acceptance_length: float | None  # None: no round at all (every turn ended on its first token)
+    accepted_per_round: list[int]
+    drafted_per_round: list[int]  # drafts proposed (chain length or tree depth; fewer near max_new_tokens)
+    spec_s: float
+    greedy_s: float
+    spec_draft_s: float  # of spec_s, in draft forwards
+    identical: bool | None  # same tokens as greedy in every turn; None when sampling (nothing to compare)
+    replies: list[str]
+    greedy_replies: list[str] | None  # kept only where the outputs differ
+
+
+@dataclass
+class SetResult:
+    name: str
+    num_prompts: int
+    rounds: int
+    acceptance_length: float | None  # all tokens of all rounds / all rounds
+    acceptance_length_prompt_mean: float | None  # mean of per-prompt tau (short answers weigh as much as long)
+    acceptance_per_position: list[float]
+    mean_accepted_per_round: float | None  # accepted drafts per round (= tau - 1)
+    new_tokens: int
+    greedy_new_tokens: int
+    spec_tokens_per_s: float | None
+    greedy_tokens_per_s: float | None
+    speedup: float | None  # spec tokens/s over greedy tokens/s
+    draft_time_share: float | None  # of the speculative wall time, the share in draft forwards
+    outputs_differing: int | None  # prompts whose tokens differ from greedy; None when sampling
+    prompts: list[PromptResult]
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def acceptance_length(accepted_per_round: list[int]) -> float | None:
+    """tau: tokens per verification round, the accepted drafts plus the target's bonus token."""
+    if not accepted_per_round:
+        return None
+    return sum(a + 1 for a in accepted_per_round) / len(accepted_per_round)
+
+
+def acceptance_per_position(accepted_per_round: list[int], drafted_per_round: list[int]) -> list[float]:
+    """Rate at which draft position j (0-based) is accepted, over the rounds that proposed it."""
+    rates = []
+    for j in range(max(drafted_per_round, default=0)):
+        proposed = [a for a, d in zip(accepted_per_round, drafted_per_round) if d > j]
+        rates.append(sum(a > j for a in proposed) / len(proposed))
+    return rates
+
+
+def rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+def prompt_result(prompt: EvalPrompt, spec: list[Turn], greedy: list[Turn], compare: bool) -> PromptResult:
+    """One prompt's row, from the turns of each decoder (`compare`: greedy decoding, outputs must agree)."""
+    accepted = [a for turn in spec for a in turn.result.accepted_per_round]
+    identical = all(s.result.tokens == g.result.tokens for s, g in zip(spec, greedy)) if compare else None
+    return PromptResult(
+        id=prompt.id,
+        category=prompt.category,
+        prompt_tokens=[turn.prompt_tokens for turn in spec],
+        new_tokens=sum(len(turn.result.tokens) for turn in spec),
+        greedy_new_tokens=sum(len(turn.result.tokens) for turn in greedy),
+        rounds=len(accepted),
+        acceptance_length=acceptance_length(accepted),
+        accepted_per_round=accepted,
+        drafted_per_round=[d for turn in spec for d in turn.result.drafted_per_round],
+        spec_s=sum(turn.seconds for turn in spec),
+        greedy_s=sum(turn.seconds for turn in greedy),
+        spec_draft_s=sum(turn.result.draft_s for turn in spec),
+        identical=identical,
+        replies=[turn.reply for turn in spec],
+        greedy_replies=None if identical in (True, None) else [turn.reply for turn in greedy],
+    )
+
+
+def summarize(name: str, rows: list[PromptResult]) -> SetResult:
+    accepted = [a for row in rows for a in row.accepted_per_round]
+    drafted = [d for row in rows for d in row.drafted_per_round]
+    per_prompt = [row.acceptance_length for row in rows if row.acceptance_length is not None]
+    spec_s, greedy_s = sum(row.spec_s for row in rows), sum(row.greedy_s for row in rows)
+    new_tokens, greedy_new_tokens = sum(row.new_tokens for row in rows), sum(row.greedy_new_tokens for row in rows)
+    spec_rate, greedy_rate = rate(new_tokens, spec_s), rate(greedy_new_tokens, greedy_s)
+    compared = [row.identical for row in rows if row.identical is not None]
+    return SetResult(
+        name=name,
+        num_prompts=len(rows),
+        rounds=len(accepted),
+        acceptance_length=acceptance_length(accepted),
+        acceptance_length_prompt_mean=sum(per_prompt) / len(per_prompt) if per_prompt else None,
+        acceptance_per_position=acceptance_per_position(accepted, drafted),
+        mean_accepted_per_round=sum(accepted) / len(accepted) if accepted else None,
+        new_tokens=new_tokens,
+        greedy_new_tokens=greedy_new_tokens,
+        spec_tokens_per_s=spec_rate,
+        greedy_tokens_per_s=greedy_rate,
+        speedup=spec_rate / greedy_rate if spec_rate and greedy_rate else None,
+        draft_time_share=sum(row.spec_draft_s for row in rows) / spec_s if spec_s > 0 else None,
+        outputs_differing=compared.count(False) if compared else None,
+        prompts=rows,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+
+def run_conversation(target: TargetModel, decode: Decoder, turns: list[str], max_new_tokens: int,
+                     generator: torch.Generator | None) -> list[Turn]:  # fmt: skip
+    """Ask each user turn after the decoder's own reply to the previous one."""
+    messages: list[dict[str, str]] = []
+    done = []
+    for user in turns:
+        messages.append({"role": "user", "content": user})
+        ids = chat_prompt(target, messages)
+        start = time.perf_counter()
+        result = decode(ids, max_new_tokens, generator)
+        seconds = time.perf_counter() - start
+        reply = target.tokenizer.decode(result.tokens)
+        messages.append({"role": "assistant", "content": reply})
+        done.append(Turn(len(ids), result, seconds, reply))
+    return done
+
+
+def evaluate(target: TargetModel, draft: Eagle3Draft, prompts: list[EvalPrompt], settings: EvalSettings,
+             name: str = "prompts") -> SetResult:  # fmt: skip
+    """Decode every prompt with the draft and without it, side by side, and measure (see the module docstring)."""
+    tree, temperature = settings.tree, settings.temperature
+    sampling = temperature > 0
+
+    def speculative(ids: list[int], max_new_tokens: int, generator: torch.Generator | None) -> SpecResult:
+        return speculative_generate(target, draft, ids, max_new_tokens, settings.num_draft_tokens,
+                                    tree=tree, temperature=temperature, generator=generator)  # fmt: skip
+
+    def greedy(ids: list[int], max_new_tokens: int, generator: torch.Generator | None) -> SpecResult:
+        # At temperature > 0 the baseline samples too: the speedup then compares like with like.
+        return plain_generate(target, ids, max_new_tokens, temperature=temperature, generator=generator)
+
+    def sampler(prompt_id: str) -> torch.Generator | None:
+        """A generator seeded by the prompt's id (a fresh one for each decoder), so that a prompt's sample
+        does not depend on the prompts before it, nor on which decoder ran first."""
+        if not sampling:
+            return None
+        seed = random.Random(f"eval/{settings.seed}/{prompt_id}").getrandbits(63)
+        return torch.Generator(device=target.device).manual_seed(seed)
+
+    for prompt in prompts[: settings.warmup_prompts]:
+        for decode in (speculative, greedy):
+            run_conversation(target, decode, prompt.turns[:1], WARMUP_TOKENS, sampler(prompt.id))
+
+    rows = []
+    progress = tqdm(prompts, desc=name, unit="prompt", dynamic_ncols=True)
+    for index, prompt in enumerate(progress):
+        runs = {}
+        order = ("spec", "greedy") if index % 2 == 0 else ("greedy", "spec")
+        for which in order:
+            decode = speculative if which == "spec" else greedy
+            runs[which] = run_conversation(target, decode, prompt.turns, settings.max_new_tokens, sampler(prompt.id))
+        rows.append(prompt_result(prompt, runs["spec"], runs["greedy"], compare=not sampling))
+        so_far = summarize(name, rows)
+        progress.set_postfix(tau=f"{so_far.acceptance_length or 0:.2f}", speedup=f"{so_far.speedup or 0:.2f}")
+    return summarize(name, rows)
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def load_models(target: str, draft: str | Path, dtype: str = "bfloat16") -> tuple[TargetModel, Eagle3Draft]:
+    """The target, capturing the aux layers the draft was trained on, and the draft (a wingspan draft directory
+    or a vLLM export) on the target's device and in its dtype, as a serving engine runs it."""
+    directory = Path(draft)
+    vllm = is_vllm_export(directory)
+    if vllm:
+        config_path = directory / "config.json"
+        config = draft_config_from_vllm(json.loads(config_path.read_text()), str(config_path))
+    elif (directory / "draft_config.json").is_file():
+        config = load(DraftConfig, directory / "draft_config.json")
+    else:
+        raise FileNotFoundError(f"{directory}: neither a wingspan draft (draft_config.json) "
+                                f"nor a vLLM export (config.json of {ARCHITECTURE})")  # fmt: skip
+    model = TargetModel.load(target, dtype=dtype, aux_layer_ids=config.aux_layer_ids)
+    if (config.target_hidden_size, config.vocab_size) != (model.hidden_size, model.vocab_size):
+        raise ConfigError(
+            f"{directory}: the draft was trained on a target with hidden size {config.target_hidden_size} and "
+            f"vocab {config.vocab_size}; {target} has {model.hidden_size} and {model.vocab_size}"
+        )
+    embed = model.embed_weight()
+    loaded = load_vllm_export(directory, embed) if vllm else Eagle3Draft.load(directory, embed_weight=embed)
+    return model, loaded.to(model.device, model.dtype).eval()

@@ -1,0 +1,243 @@
+"""`wingspan eval` on a tiny random target: the metrics by hand, speculative output equal to greedy in fp32,
+multi-turn prompts continued from each decoder's own answer, and the command end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from wingspan.config import ConfigError, DraftConfig, load, save_json
+from wingspan.data.synth import chat_prompt
+from wingspan.decode.speculative import SpecResult
+from wingspan.eval import runner
+from wingspan.eval.prompts import EvalPrompt
+from wingspan.eval.runner import (
+    EvalSettings,
+    Turn,
+    acceptance_length,
+    acceptance_per_position,
+    evaluate,
+    load_models,
+    prompt_result,
+    summarize,
+)
+from wingspan.export.vllm import export_vllm
+from wingspan.models.draft import Eagle3Draft
+from wingspan.models.target import TargetModel
+
+SHARED = Path(__file__).parents[2] / "shared"
+FAVOURED = 1234  # the token the predictable target likes, and the only one the draft proposes
+PROMPTS = [
+    EvalPrompt("two-turn", ["Name a prime number.", "And a larger one?"], "math"),
+    EvalPrompt("one-turn", ["Write a haiku about rain."]),
+    EvalPrompt("code", ["def add(a, b):"], "code"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads; on a loaded 2-core machine a thread pool makes them far slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir) -> TargetModel:
+    """The tiny llama with its FAVOURED lm_head row scaled: about a third of its greedy tokens are FAVOURED."""
+    model = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
+    model.model.lm_head.weight.data[FAVOURED] *= 20
+    return model
+
+
+def make_draft(target: TargetModel, seed: int = 0, draft_vocab: int = 500) -> Eagle3Draft:
+    """A 1-layer random draft whose lm_head is zero, so every proposal is draft id 0 = FAVOURED."""
+    config = DraftConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        target_hidden_size=32, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab, aux_layer_ids=[1, 2, 3],
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    others = torch.randperm(target.vocab_size, generator=generator)
+    vocab = torch.cat([torch.tensor([FAVOURED]), others[others != FAVOURED][: draft_vocab - 1].sort().values])
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        draft = Eagle3Draft(config)
+    draft.d2t.copy_(vocab - torch.arange(draft_vocab))
+    draft.t2d[vocab] = True
+    draft.embed_tokens.weight.data.copy_(target.embed_weight())
+    draft.lm_head.weight.data.zero_()
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def draft(target) -> Eagle3Draft:
+    return make_draft(target)
+
+
+def turn(accepted: list[int], drafted: list[int], tokens: int, seconds: float, draft_s: float = 0.0) -> Turn:
+    result = SpecResult(list(range(tokens)), 1 + len(accepted), accepted, drafted, draft_s=draft_s)
+    return Turn(prompt_tokens=10, result=result, seconds=seconds, reply="")
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def test_tau_counts_each_rounds_bonus_token_but_not_the_prefill():
+    """Prefill gives token 1; rounds accepting 3, 0 and 2 drafts give 4 + 1 + 3: 9 tokens, 4 target forwards,
+    3 of them verifications. tau = 8 / 3, not 9 / 3 nor 9 / 4."""
+    spec = SpecResult(list(range(9)), target_forwards=4, accepted_per_round=[3, 0, 2], drafted_per_round=[3, 3, 3])
+    row = prompt_result(PROMPTS[1], [Turn(20, spec, 1.0, "")], [turn([], [], 9, 2.0)], compare=True)
+    assert row.rounds == 3
+    assert row.acceptance_length == pytest.approx(8 / 3) == pytest.approx(spec.acceptance_length)
+    assert acceptance_length([]) is None  # a turn that ended on its prefill token has no round
+
+
+def test_acceptance_per_position_on_constructed_rounds():
+    accepted = [3, 0, 2, 1, 0]
+    drafted = [3, 3, 3, 2, 1]  # shorter chains near max_new_tokens propose fewer positions
+    # position 1: all 5 rounds proposed it, 3 accepted it; position 2: 4 rounds, 2; position 3: 3 rounds, 1.
+    assert acceptance_per_position(accepted, drafted) == pytest.approx([3 / 5, 2 / 4, 1 / 3])
+    assert acceptance_per_position([0, 0], [0, 0]) == []  # rounds with no draft (the last token) propose nothing
+
+
+def test_set_aggregates_weigh_rounds_not_prompts():
+    long = prompt_result(PROMPTS[1], [turn([3, 3], [3, 3], 10, seconds=1.0)], [turn([], [], 10, 3.0)], compare=True)
+    short = prompt_result(PROMPTS[2], [turn([0] * 6, [3] * 6, 6, seconds=3.0, draft_s=1.0)],
+                          [turn([], [], 7, 3.0)], compare=True)  # fmt: skip
+    result = summarize("set", [long, short])
+    assert result.rounds == 8
+    assert result.acceptance_length == pytest.approx((8 + 6) / 8)  # all tokens / all rounds
+    assert result.acceptance_length_prompt_mean == pytest.approx((4.0 + 1.0) / 2)
+    assert result.mean_accepted_per_round == pytest.approx(6 / 8)
+    assert result.acceptance_per_position == pytest.approx([2 / 8, 2 / 8, 2 / 8])
+    assert result.spec_tokens_per_s == pytest.approx(16 / 4.0)
+    assert result.greedy_tokens_per_s == pytest.approx(17 / 6.0)
+    assert result.speedup == pytest.approx((16 / 4.0) / (17 / 6.0))
+    assert result.draft_time_share == pytest.approx(1.0 / 4.0)
+    assert result.outputs_differing == 1 and not short.identical and short.greedy_replies == [""]
+    assert long.identical and long.greedy_replies is None
+
+
+def test_settings_validate_and_round_trip_as_json(tmp_path):
+    settings = EvalSettings(tree_depth=3, tree_top_k=2, tree_total_tokens=5, max_new_tokens=64, temperature=0.5)
+    save_json(settings, tmp_path / "settings.json")
+    assert load(EvalSettings, tmp_path / "settings.json") == settings
+    assert settings.tree.total_tokens == 5 and EvalSettings().tree is None
+    with pytest.raises(ConfigError, match="depth, top_k and total_tokens together"):
+        EvalSettings(tree_depth=3)
+    with pytest.raises(ConfigError, match="total_tokens can be at most"):
+        EvalSettings(tree_depth=2, tree_top_k=2, tree_total_tokens=7)
+    with pytest.raises(ConfigError, match="num_draft_tokens: must be >= 1"):
+        EvalSettings(num_draft_tokens=0)
+
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+def test_fp32_speculative_output_equals_greedy(target, draft):
+    result = evaluate(target, draft, PROMPTS, EvalSettings(max_new_tokens=12, warmup_prompts=1))
+    assert result.num_prompts == 3 and result.outputs_differing == 0
+    assert all(row.identical and row.greedy_replies is None for row in result.prompts)
+    assert [row.new_tokens for row in result.prompts] == [row.greedy_new_tokens for row in result.prompts]
+    assert [len(row.prompt_tokens) for row in result.prompts] == [2, 1, 1]
+    accepted = [a for row in result.prompts for a in row.accepted_per_round]
+    assert sum(accepted) > 0  # the FAVOURED drafts are accepted where the target says FAVOURED
+    assert result.rounds == len(accepted) == sum(row.rounds for row in result.prompts)
+    assert result.acceptance_length == pytest.approx(sum(a + 1 for a in accepted) / len(accepted))
+    assert len(result.acceptance_per_position) == 3 and result.acceptance_per_position[0] > 0
+    assert result.speedup == pytest.approx(result.spec_tokens_per_s / result.greedy_tokens_per_s)
+    assert all(row.spec_s > row.spec_draft_s > 0 and row.greedy_s > 0 for row in result.prompts)
+
+
+def test_tree_is_greedy_exact_and_sampling_is_seeded_per_prompt(target, draft):
+    tree = evaluate(target, draft, PROMPTS[1:], EvalSettings(tree_depth=3, tree_top_k=2, tree_total_tokens=8,
+                                                             max_new_tokens=10, warmup_prompts=0))  # fmt: skip
+    assert tree.outputs_differing == 0
+    assert max(d for row in tree.prompts for d in row.drafted_per_round) == 3
+    assert len(tree.acceptance_per_position) == 3
+
+    settings = EvalSettings(temperature=0.8, seed=7, max_new_tokens=10, warmup_prompts=0)
+    sampled = evaluate(target, draft, PROMPTS[1:], settings)
+    assert sampled.outputs_differing is None and all(row.identical is None for row in sampled.prompts)
+    again = evaluate(target, draft, PROMPTS[2:], settings)  # the second prompt alone: the same sample
+    assert again.prompts[0].replies == sampled.prompts[1].replies
+
+
+def test_each_decoder_continues_its_own_conversation(target, draft, monkeypatch):
+    """The second turn's prompt carries the decoder's own first answer. The baseline is made to answer
+    differently (its tokens reversed) to tell the two conversations apart; the decoders alternate order."""
+    calls = []
+
+    def speculative(target, draft, ids, *args, **kwargs):
+        calls.append(("spec", ids))
+        return runner_speculative(target, draft, ids, *args, **kwargs)
+
+    def greedy(target, ids, *args, **kwargs):
+        result = runner_greedy(target, ids, *args, **kwargs)
+        result.tokens.reverse()
+        calls.append(("greedy", ids))
+        return result
+
+    runner_speculative, runner_greedy = runner.speculative_generate, runner.plain_generate
+    monkeypatch.setattr(runner, "speculative_generate", speculative)
+    monkeypatch.setattr(runner, "plain_generate", greedy)
+    prompts = [PROMPTS[0], EvalPrompt("again", PROMPTS[0].turns)]
+    result = evaluate(target, draft, prompts, EvalSettings(max_new_tokens=8, warmup_prompts=0))
+
+    assert [which for which, _ in calls] == ["spec"] * 2 + ["greedy"] * 4 + ["spec"] * 2
+    first, second = PROMPTS[0].turns
+    for which, row_replies in (("spec", result.prompts[0].replies), ("greedy", result.prompts[0].greedy_replies)):
+        ids = [ids for name, ids in calls if name == which][:2]
+        assert ids[0] == chat_prompt(target, [{"role": "user", "content": first}])
+        assert ids[1] == chat_prompt(target, [{"role": "user", "content": first},
+                                              {"role": "assistant", "content": row_replies[0]},
+                                              {"role": "user", "content": second}])  # fmt: skip
+        assert row_replies[0] in target.tokenizer.decode(ids[1])
+    assert result.prompts[0].replies[0] != result.prompts[0].greedy_replies[0]
+    assert result.outputs_differing == 2
+
+
+# ------------------------------------------------------------------------------------ models and the CLI
+
+
+def test_load_models_reads_a_draft_directory_and_a_vllm_export(tiny_llama_dir, tmp_path):
+    plain = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
+    saved = make_draft(plain, seed=3)
+    saved.lm_head.weight.data.normal_()
+    saved.save(tmp_path / "draft")
+    export_vllm(saved, tmp_path / "vllm", dtype="float32")
+    for directory in (tmp_path / "draft", tmp_path / "vllm"):
+        model, loaded = load_models(str(tiny_llama_dir), directory, "float32")
+        assert model.aux_layer_ids == [1, 2, 3]  # from the draft's config (the default would be [2, 2, 1])
+        assert torch.equal(loaded.lm_head.weight, saved.lm_head.weight)
+        assert torch.equal(loaded.embed_tokens.weight, model.embed_weight())
+    model, loaded = load_models(str(tiny_llama_dir), tmp_path / "draft", "bfloat16")
+    assert loaded.fc.weight.dtype == torch.bfloat16  # the draft runs in the target's dtype, as vLLM runs it
+    with pytest.raises(FileNotFoundError, match="neither a wingspan draft"):
+        load_models(str(tiny_llama_dir), tmp_path, "float32")
+
+
+def test_cli_writes_all_three_files(tiny_llama_dir, target, draft, tmp_path):
+    draft.save(tmp_path / "draft")
+    out = tmp_path / "eval"
+    sets = f"mt={SHARED / 'data/eval/mt_bench.jsonl'},{SHARED / 'data/eval/gsm8k_80.jsonl'}"
+    command = [sys.executable, "-m", "wingspan", "eval", "--target", str(tiny_llama_dir), "--draft",
+               str(tmp_path / "draft"), "--sets", sets, "--limit", "2", "--max-new-tokens", "6", "--dtype", "fp32",
+               "--threads", "1", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert [s["name"] for s in results["sets"]] == ["mt", "gsm8k_80"]
+    assert [s["num_prompts"] for s in results["sets"]] == [2, 2]
+    assert [len(p["prompt_tokens"]) for p in results["sets"][0]["prompts"]] == [2, 2]  # MT-bench: two turns
+    assert all(s["outputs_differing"] == 0 for s in results["sets"])
+    assert results["settings"]["max_new_tokens"] == 6 and results["dtype"] == "float32"
+    table = (out / "results.md").read_text()
+    for s in results["sets"]:
+        assert f"| {s['name']} | 2 | {s['acceptance_length']:.3f} |" in table
+    assert (out / "acceptance.png").read_bytes().startswith(b"\x89PNG")
+    assert "| mt | 2 |" in done.stdout
