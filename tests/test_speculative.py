@@ -278,7 +278,8 @@ def test_tree_verification_matches_plain_forwards(target):
     prompt = PROMPTS[0]
     cache = speculative.DynamicCache()
     speculative._target_step(target, prompt[:-1], cache)
-    logits, aux = speculative._target_step(target, [prompt[-1]] + tree.tokens, cache, tree)
+    attention = speculative._tree_attention(tree, cache.get_seq_length(), target.device)
+    logits, aux = speculative._target_step(target, [prompt[-1]] + tree.tokens, cache, attention)
     for node in range(len(tree.tokens)):
         path = [node]
         while tree.parents[path[0]] >= 0:

@@ -94,7 +94,8 @@ class DraftTree:
 
 
 class _Clock:
-    """Accumulates wall time per part of a round; `with clock("target"):`."""
+    """Wall time per part of a round, `with clock("target"):`. Only the model calls are timed: everything
+    else (tree building, masks, cache bookkeeping, Python) is the engine's overhead."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {"target": 0.0, "draft": 0.0}
@@ -122,22 +123,26 @@ def _run_target(target: TargetModel, ids: list[int], cache: DynamicCache, last_o
     return model(input_ids=input_ids, use_cache=True, **{name: cache}, **extra)
 
 
+def _tree_attention(tree: DraftTree, past: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Target forward arguments for [root, nodes] after `past` cached positions: each row sees the cache, the
+    root and its ancestors; node positions are past + depth. Empty for a chain (the causal default)."""
+    if all(depth == i + 1 for i, depth in enumerate(tree.depths)):
+        return {}
+    rows = len(tree.tokens) + 1
+    mask = torch.ones(rows, past + rows, dtype=torch.bool, device=device)
+    mask[:, past:] = tree.ancestry_mask().to(device)
+    positions = torch.tensor([[past] + [past + d for d in tree.depths]], device=device)
+    return {"attention_mask": mask[None, None], "position_ids": positions}
+
+
 @torch.no_grad()
 def _target_step(
-    target: TargetModel, ids: list[int], cache: DynamicCache, tree: DraftTree | None = None
+    target: TargetModel, ids: list[int], cache: DynamicCache, attention: dict[str, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the target over `ids` after what `cache` holds: (logits [T, V], aux [T, num_aux * H]).
-    With a tree, ids are [root, nodes] at positions past + depth, each seeing its ancestors only."""
-    extra = {}
-    if tree is not None and any(depth != i + 1 for i, depth in enumerate(tree.depths)):  # not a chain
-        past = cache.get_seq_length()
-        tree_mask = tree.ancestry_mask().to(target.device)
-        mask = torch.ones(len(ids), past + len(ids), dtype=torch.bool, device=target.device)
-        mask[:, past:] = tree_mask
-        extra["attention_mask"] = mask[None, None]
-        extra["position_ids"] = torch.tensor([[past] + [past + d for d in tree.depths]], device=target.device)
+    `attention`: a tree's mask and positions (`_tree_attention`)."""
     with target.capture_aux() as captured:  # the same hooks as TargetModel.forward, around a cached call
-        out = _run_target(target, ids, cache, **extra)
+        out = _run_target(target, ids, cache, **(attention or {}))
     aux = torch.cat([captured[i] for i in target.aux_layer_ids], dim=-1)
     return out.logits[0], aux[0]
 
@@ -217,6 +222,7 @@ def _draft_tree(
     shape: TreeShape,
     temperature: float,
     generator: torch.Generator | None,
+    clock: _Clock | None = None,
 ) -> DraftTree:
     """Grow the EAGLE-2 tree from the step-0 hidden state at `origin` ([1, 1, H]).
 
@@ -226,33 +232,36 @@ def _draft_tree(
     Sampling (temperature > 0) is for chains only: the single child is drawn from the draft's distribution.
     """
     device = root_hidden.device
+    clock = clock or _Clock()
     prefix = caches[0].length  # step-0 keys, positions 0..origin
     tree = DraftTree()
     scores: list[float] = []
     slot_of: dict[int, int] = {}  # draft cache slot of each expanded node's keys
+
     def add_children(hidden: torch.Tensor, parents: list[int]) -> list[int]:
         """Children of `parents` from their hidden states [len(parents), H]; returns the new node ids."""
-        logits = draft.logits(hidden).float()
+        with clock("draft"):
+            logits = draft.logits(hidden).float()
+        if temperature > 0:  # one child per parent, drawn from the draft: q is kept for verification
+            q_draft = torch.softmax(logits / temperature, dim=-1)
+            choice = torch.multinomial(q_draft, 1, generator=generator)
+            q = torch.zeros(len(parents), draft.config.vocab_size, device=device)
+            q[:, draft.draft_to_target(torch.arange(q_draft.shape[-1], device=device))] = q_draft
+            logp, proposals = q_draft.gather(-1, choice).log(), list(q)
+        else:  # the top_k children, deterministic proposals
+            logp, choice = torch.log_softmax(logits, dim=-1).topk(shape.top_k, dim=-1)
+            proposals = [None] * len(parents)
+        children = draft.draft_to_target(choice).tolist()
         new = []
-        for row, parent in enumerate(parents):
+        for parent, tokens, token_logp, proposal in zip(parents, children, logp.tolist(), proposals, strict=True):
             base = scores[parent] if parent >= 0 else 0.0
             depth = tree.depths[parent] + 1 if parent >= 0 else 1
-            if temperature > 0:
-                q_draft = torch.softmax(logits[row] / temperature, dim=-1)
-                choice = torch.multinomial(q_draft, 1, generator=generator)
-                q = torch.zeros(draft.config.vocab_size, device=device)
-                q[draft.draft_to_target(torch.arange(q_draft.shape[0], device=device))] = q_draft
-                picks = [(int(choice), float(q_draft[choice].log()), q)]
-            else:
-                logp = torch.log_softmax(logits[row], dim=-1)
-                top = logp.topk(shape.top_k)
-                picks = [(int(i), float(v), None) for v, i in zip(top.values, top.indices)]
-            for draft_id, logp_token, proposal in picks:
-                tree.tokens.append(int(draft.draft_to_target(torch.tensor(draft_id, device=device))))
+            for token, child_logp in zip(tokens, token_logp, strict=True):
+                tree.tokens.append(token)
                 tree.parents.append(parent)
                 tree.depths.append(depth)
                 tree.proposals.append(proposal)
-                scores.append(base + logp_token)
+                scores.append(base + child_logp)
                 new.append(len(tree.tokens) - 1)
         return new
 
@@ -273,7 +282,8 @@ def _draft_tree(
             while ancestor >= 0:
                 mask[row, slot_of[ancestor]] = True
                 ancestor = tree.parents[ancestor]
-        hidden = draft(parent_hidden[None], ids, positions, [MaskedAttend(c, mask) for c in caches])[0]
+        with clock("draft"):
+            hidden = draft(parent_hidden[None], ids, positions, [MaskedAttend(c, mask) for c in caches])[0]
         for row, node in enumerate(frontier):
             hidden_of[node] = hidden[row]
         frontier = add_children(hidden, frontier)
@@ -379,23 +389,25 @@ def speculative_generate(
         depth = min(shape.depth, max_new_tokens - len(new_tokens) - 1)
         drafts = DraftTree()
         if depth > 0:
+            # Step 0 over the newly verified positions p: (f_p, token p + 1) at RoPE position p.
+            count = pending_aux.shape[0]
+            positions = torch.arange(first_unread, first_unread + count, device=device)[None]
+            ids = torch.tensor([sequence[first_unread + 1 : first_unread + 1 + count]], device=device)
             with clock("draft"):
-                # Step 0 over the newly verified positions p: (f_p, token p + 1) at RoPE position p.
-                count = pending_aux.shape[0]
-                positions = torch.arange(first_unread, first_unread + count, device=device)[None]
-                ids = torch.tensor([sequence[first_unread + 1 : first_unread + 1 + count]], device=device)
                 projected = draft.project_aux(pending_aux[None].to(device, dtype))
                 root_hidden = draft(projected, ids, positions, draft_caches)[:, -1:]
-                origin = first_unread + count - 1
-                round_shape = TreeShape(depth, shape.top_k, min(shape.total_tokens, shape.top_k + (depth - 1) * shape.top_k**2))
-                drafts = _draft_tree(draft, root_hidden, origin, draft_caches, round_shape, sample_drafts, generator)
-                for cache in draft_caches:  # keep the step-0 keys only (positions 0..origin)
-                    cache.crop(origin + 1)
+            origin = first_unread + count - 1
+            most = shape.top_k + (depth - 1) * shape.top_k**2
+            round_shape = TreeShape(depth, shape.top_k, min(shape.total_tokens, most))
+            drafts = _draft_tree(draft, root_hidden, origin, draft_caches, round_shape, sample_drafts, generator, clock)
+            for cache in draft_caches:  # keep the step-0 keys only (positions 0..origin)
+                cache.crop(origin + 1)
 
         # Verify [last token, tree nodes] in one target forward.
         verified = len(sequence) - 1  # the target cache holds positions 0..verified-1
+        attention = _tree_attention(drafts, verified, target.device)
         with clock("target"):
-            logits, aux = _target_step(target, [sequence[-1]] + drafts.tokens, target_cache, drafts)
+            logits, aux = _target_step(target, [sequence[-1]] + drafts.tokens, target_cache, attention)
         result.target_forwards += 1
         path, next_token = _verify(drafts, logits, temperature, generator)
         result.accepted_per_round.append(len(path))
