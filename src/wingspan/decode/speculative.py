@@ -190,15 +190,17 @@ def plain_generate(
     stops = set(target.eos_token_ids if stop_ids is None else stop_ids)
     if max_new_tokens <= 0:
         return SpecResult([], 0)
-    cache = DynamicCache()
-    out = _run_target(target, prompt_ids, cache, last_only=True)
+    clock, cache = _Clock(), DynamicCache()
+    with clock("target"):
+        out = _run_target(target, prompt_ids, cache, last_only=True)
     tokens, forwards = [_pick(out.logits[0, -1], temperature, generator)], 1
     while True:
         result, done, stopped = _finish(tokens, max_new_tokens, stops)
         if done:
             elapsed = time.perf_counter() - started
-            return SpecResult(result, forwards, stopped=stopped, target_s=elapsed, total_s=elapsed)
-        out = _run_target(target, tokens[-1:], cache)
+            return SpecResult(result, forwards, stopped=stopped, target_s=clock.seconds["target"], total_s=elapsed)
+        with clock("target"):
+            out = _run_target(target, tokens[-1:], cache)
         tokens.append(_pick(out.logits[0, -1], temperature, generator))
         forwards += 1
 

@@ -215,7 +215,8 @@ class KVCache:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """mask: [new, past + new] bool (True = may attend), for tree drafting; default causal."""
+        """mask: bool (True = may attend), [new, past + new] for tree drafting, or [B, 1, new, past + new]
+        for batched rows with padding (`wingspan.decode.batched`); default causal."""
         past = self.length
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
