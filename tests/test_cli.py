@@ -27,7 +27,7 @@ def conversations(tmp_path) -> Path:
 
 
 def test_every_command_has_help():
-    for command in (["--help"], ["train", "--help"], ["export", "--help"], ["vocab", "--help"], ["quickstart", "--help"],
+    for command in (["--help"], ["train", "--help"], ["dump", "--help"], ["export", "--help"], ["vocab", "--help"], ["quickstart", "--help"],
                     ["models", "list", "--help"], ["models", "prepare", "--help"], ["data", "synth", "--help"],
                     ["data", "regenerate", "--help"]):  # fmt: skip
         result = wingspan(*command)
@@ -61,6 +61,34 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
     vllm_config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert vllm_config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert vllm_config["num_hidden_layers"] == 2 and vllm_config["draft_vocab_size"] == 64
+
+
+def test_dump_then_train_from_it(tiny_llama_dir, tmp_path):
+    conversations = tmp_path / "long.jsonl"  # ~9k tokens, 2 MB of features: two shards of --shard-mb 1
+    rows = [{"messages": [{"role": "user", "content": f"Count from {i}."},
+                          {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 60))}]}
+            for i in range(80)]  # fmt: skip
+    conversations.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [f"target={tiny_llama_dir}", f"data=[{conversations}]", "target_dtype=float32", "max_length=128",
+                 "batch_tokens=1024", "num_hidden_layers=1", "draft_vocab_size=64", "max_steps=2", "ttt_steps=2"]  # fmt: skip
+    dump_dir = tmp_path / "dump"
+    first = wingspan("dump", *overrides, "--out", str(dump_dir), "--shard-mb", "1", "--max-shards", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "bytes/token" in first.stdout and "GB" in first.stdout
+    unfinished = wingspan("train", *overrides, f"output_dir={tmp_path / 'early'}", "--from-dump", str(dump_dir))
+    assert unfinished.returncode == 2 and "unfinished dump" in unfinished.stderr and "Traceback" not in unfinished.stderr
+    again = wingspan("dump", *overrides, "--out", str(dump_dir), "--shard-mb", "1", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    run = tmp_path / "run"
+    trained = wingspan("train", *overrides, f"output_dir={run}", "--from-dump", str(dump_dir))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads((run / "config.json").read_text())["from_dump"] == str(dump_dir)
+    assert (run / "draft" / "model.safetensors").is_file()
+
+    mismatch = wingspan("train", *overrides, "max_length=256", f"output_dir={tmp_path / 'other'}", "--from-dump", str(dump_dir))
+    assert mismatch.returncode == 2
+    assert "max_length: dump has 128, config has 256" in mismatch.stderr and "Traceback" not in mismatch.stderr
 
 
 @pytest.mark.parametrize(

@@ -72,10 +72,11 @@ def test_loss_is_soft_cross_entropy_against_restricted_target():
     draft = Eagle3Draft(config)
     draft.d2t.copy_(torch.arange(40) * 2 - torch.arange(40))  # draft id i -> target id 2i
     ids = torch.randint(0, 97, (2, 9))
-    batch = TTTBatch(ids, torch.ones(2, 9), torch.randn(2, 9, 72), torch.randn(2, 9, 97))
+    full = torch.randn(2, 9, 97)  # the target's logits over its whole vocab; the batch holds the draft vocab's
+    batch = TTTBatch(ids, torch.ones(2, 9), torch.randn(2, 9, 72), full[..., ::2][..., :40], full.max(dim=-1).indices)
     result = ttt_forward(draft, batch, steps=1, step_weights=[1.0])
     logits = draft.logits(next(unroll(draft, batch.aux_hidden, ids, 1)))
-    target = torch.softmax(batch.target_logits[:, 1:8, ::2][..., :40], dim=-1)
+    target = torch.softmax(full[:, 1:8, ::2][..., :40], dim=-1)
     expected = -(target * torch.log_softmax(logits[:, :7], dim=-1)).sum(-1).mean()
     torch.testing.assert_close(result.loss, expected, rtol=1e-5, atol=1e-5)
     assert result.count.tolist() == [14.0]

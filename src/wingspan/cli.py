@@ -1,4 +1,4 @@
-"""The `wingspan` command: models, data, vocab, train, eval, export, quickstart."""
+"""The `wingspan` command: models, data, vocab, dump, train, eval, export, quickstart."""
 
 from __future__ import annotations
 
@@ -110,24 +110,49 @@ def vocab(
     build_vocab(model, tokenized_dataset([str(p) for p in data], model.tokenizer, max_length), size, out)
 
 
+@app.command("dump", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def dump(
+    ctx: typer.Context,
+    out: Annotated[Path, typer.Option(help="Output directory: manifest.json and shard-NNNNN.safetensors.")],
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config (JSON or YAML), as for train.")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted dump in --out.")] = False,
+    shard_mb: Annotated[int, typer.Option(min=1, help="Approximate size of one shard file.")] = 512,
+    max_shards: Annotated[Optional[int], typer.Option(min=1, help="Stop after writing N shards (continue with --resume).")] = None,
+) -> None:
+    """Run the target once over the training data and store its features, for `wingspan train --from-dump`.
+
+    Reads the run config's target, target_dtype, aux_layer_ids, data, max_length and batch_tokens
+    (`key=value` overrides as for train). Prints the disk use before it starts. See docs/formats.md.
+    """
+    from wingspan.pipeline import run_dump
+
+    manifest = run_dump(train_config(config, list(ctx.args)), out, resume=resume, shard_mb=shard_mb, max_shards=max_shards)
+    finished = sum(s.done for s in manifest.shards)
+    typer.echo(f"dump: {out} ({finished}/{len(manifest.shards)} shards done)")
+
+
 @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(
     ctx: typer.Context,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config (JSON or YAML).")] = None,
+    from_dump: Annotated[Optional[Path], typer.Option(help="Train from a `wingspan dump` directory (sets from_dump).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in output_dir from its latest checkpoint.")] = False,
     show: Annotated[bool, typer.Option(help="Print the resolved config and exit.")] = False,
 ) -> None:
-    """Train an EAGLE-3 draft online (the target runs each batch).
+    """Train an EAGLE-3 draft: online (the target runs each batch) or from a hidden-state dump.
 
     Extra arguments are `key=value` overrides of the config, e.g.
     `wingspan train -c run.yaml num_hidden_layers=3 lr=3e-4 'data=[a.jsonl,b.jsonl]'`.
     Fields: see `wingspan train --show`.
     """
+    import dataclasses
     import json
 
     from wingspan.pipeline import run_training
 
     cfg = train_config(config, list(ctx.args))
+    if from_dump:
+        cfg = dataclasses.replace(cfg, from_dump=str(from_dump))
     if show:
         typer.echo(json.dumps(to_dict(cfg), indent=2))
         return

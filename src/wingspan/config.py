@@ -189,6 +189,9 @@ class TrainConfig:
 
     target: str = "smollm2-135m-instruct"
     data: list[str] = field(default_factory=list)  # conversation files (ShareGPT / OpenAI messages / EAGLE)
+    # a `wingspan dump` directory: train from its stored target features instead of running the target
+    # (data may then be empty; when given, it must be the dump's files)
+    from_dump: str | None = None
     output_dir: str = "runs/draft"
     vocab: str | None = None  # a vocab.safetensors from `wingspan vocab`; built from the data when None
     # target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from wingspan.data.conversations import DataError, read_conversations
 from wingspan.data.template import TokenizedConversation, tokenize_conversations
 from wingspan.data.vocab import DraftVocab, build_draft_vocab
 from wingspan.models.target import TargetModel
+
+if TYPE_CHECKING:
+    from wingspan.data.hidden_states import DumpManifest
 
 
 def load_target(config: TrainConfig) -> TargetModel:
@@ -54,11 +58,35 @@ def build_vocab(target: TargetModel, records: list[TokenizedConversation], size:
 
 
 def run_training(config: TrainConfig, resume: bool = False, target: TargetModel | None = None) -> Path:
-    """Load the target (unless given) and the data, build the vocab, train; returns the final draft's directory."""
+    """Load the target (unless given) and the data, build the vocab, train; returns the final draft's directory.
+
+    With `config.from_dump` the records and the target's features come from that dump; the target is still
+    loaded (draft shape, frozen embeddings, lm_head rows) but never run.
+    """
+    from wingspan.data.hidden_states import DumpFeatures, HiddenStateDump, dump_identity, require_match
     from wingspan.train.trainer import train
 
     target = target or load_target(config)
+    if config.from_dump:
+        dump = HiddenStateDump(config.from_dump)
+        require_match(dump.path, dump.manifest.identity, dump_identity(config, target), compare_data=bool(config.data))
+        vocab = draft_vocab(config, target, dump.records)
+        print(f"{dump.path}: {len(dump.records)} conversations, {dump.manifest.num_tokens} tokens (dumped features)")
+        features = DumpFeatures(dump, target, vocab.d2t)
+        return train(config, target, dump.records, vocab.d2t, vocab.t2d, resume=resume, features=features)
     records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
     vocab = draft_vocab(config, target, records)
-    return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume)
+    return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume)  # online: the target runs each batch
+
+
+def run_dump(
+    config: TrainConfig, out: Path, resume: bool = False, shard_mb: int = 512, max_shards: int | None = None
+) -> DumpManifest:
+    """Tokenize the config's data and store the target's features for it in `out` (see data/hidden_states.py)."""
+    from wingspan.data.hidden_states import dump_identity, write_dump
+
+    target = load_target(config)
+    records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
+    return write_dump(target, records, dump_identity(config, target), out, batch_tokens=config.batch_tokens,
+                      shard_bytes=shard_mb << 20, resume=resume, max_shards=max_shards)  # fmt: skip
 

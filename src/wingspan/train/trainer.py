@@ -1,8 +1,9 @@
-"""The training loop: target forward, TTT unroll, AdamW with warmup + cosine, accumulation, checkpoints.
+"""The training loop: target features, TTT unroll, AdamW with warmup + cosine, accumulation, checkpoints.
 
-`train()` is the whole recipe in one function, top to bottom. Resuming restores weights, optimizer,
-RNG and the data position, and the batch plan is a pure function of (seed, epoch), so an interrupted
-run continued with `resume=True` ends with the same weights as an uninterrupted one.
+`train()` is the whole recipe in one function, top to bottom. The target's side of each micro-batch comes
+from a feature source (`wingspan.train.features`): the target run on it, or a hidden-state dump. Resuming
+restores weights, optimizer, RNG and the data position, and the batch plan is a pure function of (seed,
+epoch), so an interrupted run continued with `resume=True` ends with the same weights as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from wingspan.config import DraftConfig, TrainConfig, save_json
 from wingspan.data.template import TokenizedConversation
 from wingspan.models.draft import Eagle3Draft
 from wingspan.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from wingspan.train.ttt import TTTBatch, simulated_acceptance_length, step_masks, ttt_forward
+from wingspan.train.features import FeatureSource, OnlineFeatures, collate
+from wingspan.train.ttt import simulated_acceptance_length, step_masks, ttt_forward
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, shuffle: bool) -> list[list[int]]:
@@ -48,19 +50,6 @@ def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, s
     if shuffle:
         rng.shuffle(batches)
     return batches
-
-
-def collate(sequences: list[TokenizedConversation], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest: (input_ids, loss_mask, attention_mask), each [B, T]."""
-    length = max(len(s.input_ids) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(sequences), length)
-    attention = torch.zeros(len(sequences), length, dtype=torch.long)
-    for row, s in enumerate(sequences):
-        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        loss_mask[row, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float)
-        attention[row, : len(s.input_ids)] = 1
-    return ids, loss_mask, attention
 
 
 def learning_rate(step: int, total: int, config: TrainConfig) -> float:
@@ -157,8 +146,21 @@ class MetricLog:
         return record
 
 
-def train(config: TrainConfig, target, sequences: list[TokenizedConversation], d2t: torch.Tensor, t2d: torch.Tensor, resume: bool = False) -> Path:
-    """Train a draft on `sequences` against `target`; returns the directory of the final draft."""
+def train(
+    config: TrainConfig,
+    target,
+    sequences: list[TokenizedConversation],
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    resume: bool = False,
+    features: FeatureSource | None = None,
+) -> Path:
+    """Train a draft on `sequences` against `target`; returns the directory of the final draft.
+
+    `features` gives the target's side of each micro-batch (default: the target runs on it); the target
+    itself is still needed for the draft's shape, frozen embeddings and initial weights.
+    """
+    features = features or OnlineFeatures(target, d2t)
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_json(config, run_dir / "config.json")
@@ -193,19 +195,18 @@ def train(config: TrainConfig, target, sequences: list[TokenizedConversation], d
             if batch_index >= len(plan):
                 epoch, batch_index = epoch + 1, 0
                 plan = plan_batches(lengths, config.batch_tokens, config.seed, epoch, config.shuffle)
-            group.append(collate([sequences[i] for i in plan[batch_index]], pad_id))
+            group.append(collate(sequences, plan[batch_index], pad_id))
             batch_index += 1
-        normaliser = sum(step_masks(mask, config.ttt_steps).sum(dim=(1, 2)) for _, mask, _ in group).clamp(min=1)
+        normaliser = sum(step_masks(m.loss_mask, config.ttt_steps).sum(dim=(1, 2)) for m in group).clamp(min=1)
         lr = learning_rate(step, total_steps, config)
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
-        for ids, loss_mask, attention in group:
-            out = target.forward(ids, attention)
-            batch = TTTBatch(ids, loss_mask, out.aux_hidden, out.logits)
+        for micro in group:
+            batch = features(micro)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast_bf16):
                 result = ttt_forward(draft, batch, config.ttt_steps, weights, normaliser)
             result.loss.backward()
-            log.add(result.loss_sum, result.correct, result.count, int(attention.sum()))
+            log.add(result.loss_sum, result.correct, result.count, int(micro.attention_mask.sum()))
         torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

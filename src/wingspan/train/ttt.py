@@ -68,7 +68,8 @@ class TTTBatch:
     input_ids: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T], 1 on assistant tokens (0 on padding)
     aux_hidden: torch.Tensor  # [B, T, num_aux * H_target]
-    target_logits: torch.Tensor  # [B, T, V] full target vocab
+    target_logits: torch.Tensor  # [B, T, draft_vocab]: the target's logits of the draft vocab's tokens
+    target_argmax: torch.Tensor  # [B, T]: the target's top token over its whole vocab (a target id)
 
 
 @dataclass
@@ -118,10 +119,8 @@ def ttt_forward(
     accumulation and data parallelism weight every token alike.
     """
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
-    draft_vocab_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=input_ids.device))
-    target_p = torch.softmax(batch.target_logits[..., draft_vocab_ids].float(), dim=-1)
-    # max().indices, not argmax(): the latter has no fast bf16 kernel on CPU (5x slower here).
-    target_argmax = batch.target_logits.max(dim=-1).indices
+    target_p = torch.softmax(batch.target_logits.float(), dim=-1)
+    target_argmax = batch.target_argmax
     masks = step_masks(loss_mask, steps).bool()
     counts = masks.sum(dim=(1, 2)).float()
     if normaliser is None:
