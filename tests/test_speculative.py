@@ -24,9 +24,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def sharpen(model: torch.nn.Module) -> None:
+    """Scale every attention's q/k (peaked attention) and v/o (whose output matters). At init scale (std 0.02)
+    a tiny model's attention is near uniform, so its output hardly depends on positions or on which slots
+    are masked: a wrong position id or a forgotten mask would go unnoticed (checked by breaking the code)."""
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            for proj, scale in (("q_proj", 8), ("k_proj", 8), ("v_proj", 4), ("o_proj", 4)):
+                getattr(module, proj).weight.data *= scale
+
+
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir) -> TargetModel:
-    return TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
+    target = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
+    sharpen(target.model)
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +46,7 @@ def predictable_target(tiny_llama_dir) -> TargetModel:
     """The tiny llama with its FAVOURED lm_head row scaled: its greedy output is about 1/3 FAVOURED."""
     target = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
     target.model.lm_head.weight.data[FAVOURED] *= 20
+    sharpen(target.model)
     return target
 
 
@@ -58,6 +71,7 @@ def make_draft(
     draft.d2t.copy_(vocab - torch.arange(draft_vocab))
     draft.t2d[vocab] = True
     draft.embed_tokens.weight.data.copy_(target.embed_weight())
+    sharpen(draft)
     if favour == 0:
         draft.lm_head.weight.data.zero_()
     elif favour is not None:
@@ -202,12 +216,13 @@ def first_child_paths_only(monkeypatch) -> list[bool]:
     return side_branches
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_tree_accepts_side_branches_and_keeps_the_greedy_tokens(predictable_target, layers, monkeypatch):
+@pytest.mark.parametrize(("layers", "seed", "favour"), [(1, 11, 4.0), (2, 25, 6.0)])
+def test_tree_accepts_side_branches_and_keeps_the_greedy_tokens(predictable_target, layers, seed, favour, monkeypatch):
     """A draft biased towards FAVOURED proposes it first or among its top-k: paths through side branches
-    must be accepted, and the target cache rebuilt from them (`_keep_rows`) must keep the output exact."""
+    must be accepted, and the target cache rebuilt from them (`_keep_rows`) must keep the output exact.
+    (Seeds and biases chosen so that side paths occur; the runs are deterministic.)"""
     target = predictable_target
-    draft = make_draft(target, layers, seed=10 + layers, favour=4.0)
+    draft = make_draft(target, layers, seed=seed, favour=favour)
     side_branches = first_child_paths_only(monkeypatch)
     tree_accepted = chain_accepted = 0
     for prompt in PROMPTS:
@@ -234,6 +249,19 @@ def test_tree_edges(predictable_target, shape):
     at = full.index(FAVOURED)
     result = speculative_generate(target, draft, prompt, 16, stop_ids=[FAVOURED], tree=shape)
     assert result.tokens == full[:at] and result.stopped
+
+
+def test_tree_on_an_eager_attention_target(tiny_llama_dir):
+    """Eager attention adds the mask to the scores: the tree mask must reach it as 0 / -inf, not as bools."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation="eager")
+    target = TargetModel(model, AutoTokenizer.from_pretrained(tiny_llama_dir), "eager llama", aux_layer_ids=[1, 2, 3])
+    sharpen(target.model)
+    draft = make_draft(target, 2, seed=2)
+    for prompt in PROMPTS[:3]:
+        result = speculative_generate(target, draft, prompt, 12, stop_ids=[], tree=TreeShape(4, 3, 10))
+        assert result.tokens == reference(target, prompt, 12, [])
 
 
 def test_tree_nodes_follow_the_chain_semantics(target):
@@ -278,7 +306,7 @@ def test_tree_verification_matches_plain_forwards(target):
     prompt = PROMPTS[0]
     cache = speculative.DynamicCache()
     speculative._target_step(target, prompt[:-1], cache)
-    attention = speculative._tree_attention(tree, cache.get_seq_length(), target.device)
+    attention = speculative._tree_attention(tree, cache.get_seq_length(), target)
     logits, aux = speculative._target_step(target, [prompt[-1]] + tree.tokens, cache, attention)
     for node in range(len(tree.tokens)):
         path = [node]

@@ -123,16 +123,26 @@ def _run_target(target: TargetModel, ids: list[int], cache: DynamicCache, last_o
     return model(input_ids=input_ids, use_cache=True, **{name: cache}, **extra)
 
 
-def _tree_attention(tree: DraftTree, past: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _model_mask(target: TargetModel, mask: torch.Tensor) -> torch.Tensor:
+    """A 4D attention mask as the target's attention takes it: SDPA a bool mask (True = attend), eager
+    attention an additive one (0 / -inf: it adds the mask to the scores). Passing a prepared 4D mask skips
+    the model's own mask building, so sliding-window attention is not applied: fine for Llama-style targets."""
+    if getattr(target.model.config, "_attn_implementation", "sdpa") == "sdpa":
+        return mask
+    additive = torch.zeros(mask.shape, dtype=target.dtype, device=mask.device)
+    return additive.masked_fill(~mask, torch.finfo(target.dtype).min)
+
+
+def _tree_attention(tree: DraftTree, past: int, target: TargetModel) -> dict[str, torch.Tensor]:
     """Target forward arguments for [root, nodes] after `past` cached positions: each row sees the cache, the
     root and its ancestors; node positions are past + depth. Empty for a chain (the causal default)."""
     if all(depth == i + 1 for i, depth in enumerate(tree.depths)):
         return {}
-    rows = len(tree.tokens) + 1
+    device, rows = target.device, len(tree.tokens) + 1
     mask = torch.ones(rows, past + rows, dtype=torch.bool, device=device)
     mask[:, past:] = tree.ancestry_mask().to(device)
     positions = torch.tensor([[past] + [past + d for d in tree.depths]], device=device)
-    return {"attention_mask": mask[None, None], "position_ids": positions}
+    return {"attention_mask": _model_mask(target, mask[None, None]), "position_ids": positions}
 
 
 @torch.no_grad()
@@ -407,7 +417,7 @@ def speculative_generate(
 
         # Verify [last token, tree nodes] in one target forward.
         verified = len(sequence) - 1  # the target cache holds positions 0..verified-1
-        attention = _tree_attention(drafts, verified, target.device)
+        attention = _tree_attention(drafts, verified, target)
         with clock("target"):
             logits, aux = _target_step(target, [sequence[-1]] + drafts.tokens, target_cache, attention)
         result.target_forwards += 1
