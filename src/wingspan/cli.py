@@ -125,6 +125,10 @@ def dump(
     (`key=value` overrides as for train). Prints the disk use before it starts. See docs/formats.md.
     """
     from wingspan.pipeline import run_dump
+    from wingspan.train.distributed import launched_by_torchrun
+
+    if launched_by_torchrun():
+        raise ConfigError("wingspan dump runs in one process: start it without torchrun (training from a dump may)")
 
     manifest = run_dump(train_config(config, list(ctx.args)), out, resume=resume, shard_mb=shard_mb, max_shards=max_shards)
     finished = sum(s.done for s in manifest.shards)
@@ -143,12 +147,14 @@ def train(
 
     Extra arguments are `key=value` overrides of the config, e.g.
     `wingspan train -c run.yaml num_hidden_layers=3 lr=3e-4 'data=[a.jsonl,b.jsonl]'`.
-    Fields: see `wingspan train --show`.
+    Fields: see `wingspan train --show`. Data-parallel on N processes (gloo on CPU, NCCL on GPUs):
+    `torchrun --nproc-per-node N -m wingspan train ...` (see docs/training.md).
     """
     import dataclasses
     import json
 
     from wingspan.pipeline import run_training
+    from wingspan.train.distributed import process_group
 
     cfg = train_config(config, list(ctx.args))
     if from_dump:
@@ -156,8 +162,10 @@ def train(
     if show:
         typer.echo(json.dumps(to_dict(cfg), indent=2))
         return
-    final = run_training(cfg, resume=resume)
-    typer.echo(f"draft: {final}")
+    with process_group() as world:
+        final = run_training(cfg, resume=resume)
+    if world.is_main:
+        typer.echo(f"draft: {final}")
 
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}

@@ -221,6 +221,9 @@ class TrainConfig:
     max_steps: int | None = None  # optimizer steps; overrides epochs when set
     autocast_bf16: bool = False  # run the draft in bf16 autocast (the target dtype is target_dtype)
     seed: int = 0
+    # under torchrun: replicate the draft on every rank (ddp), or shard each decoder layer and the rest of
+    # the draft over the ranks (fsdp, FSDP2) when its weights and AdamW state are too large to replicate
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     # bookkeeping
     save_every: int = 200  # optimizer steps between checkpoints (and always at the end)
     log_every: int = 10

@@ -12,15 +12,18 @@ from wingspan.data.conversations import DataError, read_conversations
 from wingspan.data.template import TokenizedConversation, tokenize_conversations
 from wingspan.data.vocab import DraftVocab, build_draft_vocab
 from wingspan.models.target import TargetModel
+from wingspan.train.distributed import current_world, print0, rank_device
 
 if TYPE_CHECKING:
     from wingspan.data.hidden_states import DumpManifest
 
 
 def load_target(config: TrainConfig) -> TargetModel:
+    """The run's target, on this rank's device (the CPU without torchrun); the draft trains next to it."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    return TargetModel.load(config.target, dtype=config.target_dtype, aux_layer_ids=config.aux_layer_ids)
+    return TargetModel.load(config.target, dtype=config.target_dtype, aux_layer_ids=config.aux_layer_ids,
+                            device=rank_device())
 
 
 def tokenized_dataset(paths: list[str], tokenizer, max_length: int) -> list[TokenizedConversation]:
@@ -33,8 +36,8 @@ def tokenized_dataset(paths: list[str], tokenizer, max_length: int) -> list[Toke
         tokenized, template_report = tokenize_conversations(tokenizer, conversations, max_length)
         records += tokenized
         skips = "; ".join(r.summary() for r in (read_report, template_report) if r.skipped)
-        print(f"{path}: {len(tokenized)} conversations, {sum(len(r.input_ids) for r in tokenized)} tokens"
-              + (f"; {skips}" if skips else ""))
+        print0(f"{path}: {len(tokenized)} conversations, {sum(len(r.input_ids) for r in tokenized)} tokens"
+               + (f"; {skips}" if skips else ""))
     return records
 
 
@@ -52,8 +55,9 @@ def draft_vocab(config: TrainConfig, target: TargetModel, records: list[Tokenize
 def build_vocab(target: TargetModel, records: list[TokenizedConversation], size: int, path: Path) -> DraftVocab:
     """The `size` most frequent assistant tokens (end-of-turn ids always in), saved to `path`."""
     vocab = build_draft_vocab(records, target.vocab_size, min(size, target.vocab_size), always_include=target.eos_token_ids)
-    vocab.save(path)
-    print(f"draft vocab: {vocab.draft_vocab_size} tokens cover {vocab.coverage:.1%} of assistant tokens -> {path}")
+    if current_world().is_main:  # under torchrun every rank builds the same vocab; one writes it
+        vocab.save(path)
+    print0(f"draft vocab: {vocab.draft_vocab_size} tokens cover {vocab.coverage:.1%} of assistant tokens -> {path}")
     return vocab
 
 
@@ -71,7 +75,7 @@ def run_training(config: TrainConfig, resume: bool = False, target: TargetModel 
         dump = HiddenStateDump(config.from_dump)
         require_match(dump.path, dump.manifest.identity, dump_identity(config, target), compare_data=bool(config.data))
         vocab = draft_vocab(config, target, dump.records)
-        print(f"{dump.path}: {len(dump.records)} conversations, {dump.manifest.num_tokens} tokens (dumped features)")
+        print0(f"{dump.path}: {len(dump.records)} conversations, {dump.manifest.num_tokens} tokens (dumped features)")
         features = DumpFeatures(dump, target, vocab.d2t)
         return train(config, target, dump.records, vocab.d2t, vocab.t2d, resume=resume, features=features)
     records = tokenized_dataset(config.data, target.tokenizer, config.max_length)

@@ -354,6 +354,7 @@ class DumpFeatures:
 
     def __call__(self, micro: MicroBatch) -> TTTBatch:
         aux, last, argmax = self.dump.features(micro.indices, micro.input_ids.shape[1])
-        # In the target's dtype, as the target's own lm_head computes them.
-        logits = F.linear(last.to(self.lm_head_rows.dtype), self.lm_head_rows)
+        # In the target's dtype, as the target's own lm_head computes them, where the target is (a GPU under
+        # torchrun with NCCL); the trainer moves the rest of the batch there.
+        logits = F.linear(last.to(self.lm_head_rows.device, self.lm_head_rows.dtype), self.lm_head_rows)
         return TTTBatch(micro.input_ids, micro.loss_mask, aux, logits, argmax)

@@ -1,21 +1,26 @@
 """Atomic, pickle-free training checkpoints: safetensors for tensors, JSON for everything else.
 
-Layout of `<run>/checkpoints/step-<N>/`: draft weights (`model.safetensors`, `draft_config.json`),
-`optimizer.safetensors` + `trainer_state.json` (optimizer param groups, step, data position, RNG).
-A checkpoint is written into a temp directory and renamed, so a crash never leaves a half checkpoint;
-`latest` names the newest complete one.
+Layout of `<run>/checkpoints/step-<N>/`: draft weights (`model.safetensors`, `draft_config.json`: the layout
+of `Eagle3Draft.save`), `optimizer.safetensors` + `trainer_state.json` (optimizer param groups, step, data
+position, RNG). A checkpoint is written into a temp directory and renamed, so a crash never leaves a half
+checkpoint; `latest` names the newest complete one.
+
+The functions take and return whole state dicts, never modules: under FSDP the full weights exist only as
+the copy gathered on rank 0 (`wingspan.train.distributed`), so the same files come from any number of
+processes and resume on any number.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from wingspan.models.draft import Eagle3Draft
+from wingspan.config import DraftConfig, to_dict
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -24,8 +29,8 @@ def _write_text_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    state = optimizer.state_dict()
+def optimizer_to_tensors(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An `optimizer.state_dict()` as safetensors tensors plus JSON-able param groups."""
     tensors = {
         f"state.{index}.{key}": value.detach().contiguous().cpu()
         for index, entry in state["state"].items()
@@ -34,23 +39,40 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, to
     return tensors, {"param_groups": state["param_groups"]}
 
 
-def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, value in tensors.items():
         _, index, key = name.split(".", 2)
         state.setdefault(int(index), {})[key] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def write_draft(directory: Path, weights: dict[str, torch.Tensor], config: DraftConfig) -> None:
+    """A draft directory `Eagle3Draft.load` reads, from its trainable state dict."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / "model.safetensors.tmp"
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp))
+    tmp.replace(directory / "model.safetensors")
+    _write_text_atomic(directory / "draft_config.json", json.dumps(to_dict(config), indent=2) + "\n")
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int
+    run_dir: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    config: DraftConfig,
+    optimizer_state: dict,
+    trainer_state: dict,
+    keep: int,
 ) -> Path:
+    """Write checkpoint `step` (weights: the draft's trainable state; optimizer_state: an
+    `optimizer.state_dict()` of those parameters) and keep the newest `keep`."""
     checkpoints = run_dir / "checkpoints"
     final = checkpoints / f"step-{step}"
     tmp = checkpoints / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    draft.save(tmp)
-    tensors, meta = optimizer_to_tensors(optimizer)
+    write_draft(tmp, weights, config)
+    tensors, meta = optimizer_to_tensors(optimizer_state)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     state = dict(trainer_state, optimizer=meta, torch_rng_state=torch.get_rng_state().tolist())
     (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
@@ -72,10 +94,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, draft: Eagle3Draft, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore draft weights, optimizer and RNG in place; return the trainer state (step, data position)."""
-    draft.load_trainable_state(load_file(str(path / "model.safetensors")), source=str(path))
+@dataclass
+class Checkpoint:
+    path: Path
+    weights: dict[str, torch.Tensor]  # the draft's trainable state
+    optimizer_state: dict  # an `optimizer.state_dict()`
+    rng_state: torch.Tensor  # torch's CPU generator when the checkpoint was written
+    trainer_state: dict  # step and data position (epoch, batch_index)
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
     trainer_state = json.loads((path / "trainer_state.json").read_text())
-    optimizer_from_tensors(optimizer, load_file(str(path / "optimizer.safetensors")), trainer_state.pop("optimizer"))
-    torch.set_rng_state(torch.tensor(trainer_state.pop("torch_rng_state"), dtype=torch.uint8))
-    return trainer_state
+    optimizer_tensors = load_file(str(path / "optimizer.safetensors"))
+    optimizer_state = optimizer_from_tensors(optimizer_tensors, trainer_state.pop("optimizer"))
+    rng_state = torch.tensor(trainer_state.pop("torch_rng_state"), dtype=torch.uint8)
+    return Checkpoint(path, load_file(str(path / "model.safetensors")), optimizer_state, rng_state, trainer_state)

@@ -4,10 +4,15 @@
 from a feature source (`wingspan.train.features`): the target run on it, or a hidden-state dump. Resuming
 restores weights, optimizer, RNG and the data position, and the batch plan is a pure function of (seed,
 epoch), so an interrupted run continued with `resume=True` ends with the same weights as an uninterrupted one.
+
+Under torchrun the same function runs on every rank (`wingspan.train.distributed`): each optimizer step's
+micro-batches are shared out among the ranks, the gradient is the one-process gradient, and rank 0 alone
+writes metrics and checkpoints, which hold the global data position, so any number of processes resumes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -20,9 +25,21 @@ from tqdm import tqdm
 from wingspan.config import DraftConfig, TrainConfig, save_json
 from wingspan.data.template import TokenizedConversation
 from wingspan.models.draft import Eagle3Draft
-from wingspan.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from wingspan.train.checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint, write_draft
+from wingspan.train.distributed import (
+    World,
+    clip_grad_norm_,
+    current_world,
+    full_optimizer_state,
+    full_weights,
+    gradient_sync,
+    load_optimizer_state,
+    parallelize,
+    print0,
+    share_of_step,
+)
 from wingspan.train.features import FeatureSource, OnlineFeatures, collate
-from wingspan.train.ttt import simulated_acceptance_length, step_masks, ttt_forward
+from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_masks
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, shuffle: bool) -> list[list[int]]:
@@ -102,39 +119,51 @@ def build_draft(target, config: TrainConfig, d2t: torch.Tensor, t2d: torch.Tenso
 
 
 class MetricLog:
-    """Per-step sums over a logging window -> loss_j, acc_j, simulated acceptance length."""
+    """Per-step sums over a logging window -> loss_j, acc_j, simulated acceptance length, gradient norm.
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+    Each rank sums its own micro-batches; `flush` adds up the ranks' sums (every rank must call it) and
+    rank 0 writes the record, so the figures are those of the whole global batch.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool, steps: int, world: World, device: torch.device) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.steps = steps
+        self.world = world
+        self.device = device
         self.writer = None
-        if tensorboard:
+        if tensorboard and world.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
         self.reset()
 
     def reset(self) -> None:
-        self.loss_sum = self.correct = self.count = None
-        self.tokens = 0
+        # loss sum, correct and count per TTT step, then the tokens, in one tensor: one all-reduce per flush
+        self.sums = torch.zeros(3 * self.steps + 1, dtype=torch.float64, device=self.device)
+        self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # the same on every rank
+        self.optimizer_steps = 0
         self.started = time.perf_counter()
 
     def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor, tokens: int) -> None:
-        if self.loss_sum is None:
-            self.loss_sum, self.correct, self.count = loss_sum.clone(), correct.clone(), count.clone()
-        else:
-            self.loss_sum += loss_sum
-            self.correct += correct
-            self.count += count
-        self.tokens += tokens
+        self.sums += torch.cat([loss_sum, correct, count, count.new_tensor([tokens])])
+
+    def add_step(self, grad_norm: torch.Tensor) -> None:
+        self.grad_norm_sum += grad_norm
+        self.optimizer_steps += 1
 
     def flush(self, step: int, lr: float) -> dict:
-        count = self.count.clamp(min=1)
-        accuracy = (self.correct / count).tolist()
+        loss_sum, correct, count, tokens = self.world.sum(self.sums).cpu().split([self.steps] * 3 + [1])
+        count = count.clamp(min=1)
+        accuracy = (correct / count).tolist()
         record = {"step": step, "lr": lr}
-        record.update({f"loss_{j}": v for j, v in enumerate((self.loss_sum / count).tolist())})
+        record.update({f"loss_{j}": v for j, v in enumerate((loss_sum / count).tolist())})
         record.update({f"acc_{j}": v for j, v in enumerate(accuracy)})
         record["sim_accept_len"] = simulated_acceptance_length(accuracy, len(accuracy))
-        record["tokens_per_s"] = self.tokens / max(1e-9, time.perf_counter() - self.started)
+        record["grad_norm"] = self.grad_norm_sum.item() / max(1, self.optimizer_steps)  # before clipping
+        record["tokens_per_s"] = tokens.item() / max(1e-9, time.perf_counter() - self.started)
+        self.reset()
+        if not self.world.is_main:
+            return record
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
@@ -142,8 +171,11 @@ class MetricLog:
                 if key != "step":
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
-        self.reset()
         return record
+
+
+def to_device(batch: TTTBatch, device: torch.device) -> TTTBatch:
+    return TTTBatch(*(getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)))
 
 
 def train(
@@ -158,15 +190,27 @@ def train(
     """Train a draft on `sequences` against `target`; returns the directory of the final draft.
 
     `features` gives the target's side of each micro-batch (default: the target runs on it); the target
-    itself is still needed for the draft's shape, frozen embeddings and initial weights.
+    itself is still needed for the draft's shape, frozen embeddings and initial weights. The draft trains
+    on the target's device. Under torchrun every rank calls this with the same arguments.
     """
+    world = current_world()
     features = features or OnlineFeatures(target, d2t)
     run_dir = Path(config.output_dir)
+    if not resume and (run_dir / "checkpoints").exists():
+        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another output_dir")
+    latest = latest_checkpoint(run_dir) if resume else None
+    checkpoint = read_checkpoint(latest) if latest else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_json(config, run_dir / "config.json")
+    if world.is_main:
+        save_json(config, run_dir / "config.json")
     torch.manual_seed(config.seed)
 
-    draft = build_draft(target, config, d2t, t2d)
+    device = target.device
+    draft = build_draft(target, config, d2t, t2d).to(device)
+    if checkpoint:
+        draft.load_trainable_state(checkpoint.weights, source=str(checkpoint.path))
+    step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
+    model = parallelize(TTTLoss(draft, config.ttt_steps, step_weights), draft, config.parallel, world, device)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
 
@@ -176,21 +220,25 @@ def train(
     total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
 
     step, epoch, batch_index = 0, 0, 0
-    if resume and (checkpoint := latest_checkpoint(run_dir)) is not None:
-        state = load_checkpoint(checkpoint, draft, optimizer)
-        step, epoch, batch_index = state["step"], state["epoch"], state["batch_index"]
-        print(f"resumed from {checkpoint} (step {step}/{total_steps})")
-    elif not resume and (run_dir / "checkpoints").exists():
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another output_dir")
+    if checkpoint:
+        load_optimizer_state(draft, optimizer, checkpoint.optimizer_state)
+        # Rank 0's CPU generator at save time, restored on every rank. The loop itself draws no random
+        # numbers (the data order is a function of seed and epoch); CUDA generators are not saved.
+        torch.set_rng_state(checkpoint.rng_state)
+        step, epoch, batch_index = (checkpoint.trainer_state[k] for k in ("step", "epoch", "batch_index"))
+        print0(f"resumed from {checkpoint.path} (step {step}/{total_steps})")
+    if config.grad_accum % world.size:
+        print0(f"warning: grad_accum={config.grad_accum} micro-batches per step over {world.size} ranks: some "
+               f"ranks run a zero-weight micro-batch every step to keep in step; a multiple of {world.size} wastes none")
 
-    weights = [config.step_decay**j for j in range(config.ttt_steps)]
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    log = MetricLog(run_dir, config.tensorboard)
+    log = MetricLog(run_dir, config.tensorboard, config.ttt_steps, world, device)
     plan = plan_batches(lengths, config.batch_tokens, config.seed, epoch, config.shuffle)
-    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                    disable=not world.is_main)
     record: dict = {}
     while step < total_steps:
-        group = []
+        group = []  # the global batch: every rank plans the same micro-batches
         while len(group) < config.grad_accum:
             if batch_index >= len(plan):
                 epoch, batch_index = epoch + 1, 0
@@ -198,26 +246,39 @@ def train(
             group.append(collate(sequences, plan[batch_index], pad_id))
             batch_index += 1
         normaliser = sum(step_masks(m.loss_mask, config.ttt_steps).sum(dim=(1, 2)) for m in group).clamp(min=1)
+        normaliser = normaliser.to(device)
         lr = learning_rate(step, total_steps, config)
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
-        for micro in group:
-            batch = features(micro)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast_bf16):
-                result = ttt_forward(draft, batch, config.ttt_steps, weights, normaliser)
-            result.loss.backward()
-            log.add(result.loss_sum, result.correct, result.count, int(micro.attention_mask.sum()))
-        torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+        share = share_of_step(group, world)
+        for k, (micro, scale) in enumerate(share):
+            batch = to_device(features(micro), device)
+            with gradient_sync(model, last=k == len(share) - 1):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
+                    result = model(batch, normaliser)
+                (result.loss * scale).backward()
+            if scale:
+                log.add(result.loss_sum, result.correct, result.count, int(micro.attention_mask.sum()))
+        grad_norm = clip_grad_norm_(trainable, config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         progress.update(1)
+        log.add_step(grad_norm)
         if step % config.log_every == 0 or step == total_steps:
             record = log.flush(step, lr)
             progress.set_postfix(loss=f"{record['loss_0']:.3f}", acc0=f"{record['acc_0']:.3f}", tau=f"{record['sim_accept_len']:.2f}")
         if step % config.save_every == 0 or step == total_steps:
-            save_checkpoint(run_dir, step, draft, optimizer, {"step": step, "epoch": epoch, "batch_index": batch_index}, keep=2)
+            # Every rank gathers (FSDP), rank 0 writes; the data position is global, so any world size resumes it.
+            weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, optimizer)
+            if world.is_main:
+                position = {"step": step, "epoch": epoch, "batch_index": batch_index}
+                save_checkpoint(run_dir, step, weights, draft.config, optimizer_state, position, keep=2)
+            world.barrier()
     progress.close()
     final = run_dir / "draft"
-    draft.save(final)
+    weights = full_weights(draft)
+    if world.is_main:
+        write_draft(final, weights, draft.config)
+    world.barrier()  # the final draft is on disk when train returns, on every rank
     return final

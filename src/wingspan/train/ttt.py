@@ -142,6 +142,21 @@ def ttt_forward(
     return TTTResult(loss, torch.stack(loss_sums), torch.stack(correct), counts)
 
 
+class TTTLoss(torch.nn.Module):
+    """`ttt_forward` of `draft` as a module's forward: the call DDP and FSDP hook to synchronise gradients
+    and gather sharded weights, which they do for a module's forward only, not for `draft.logits` or
+    `draft.project_aux` called from outside it."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, step_weights: list[float]) -> None:
+        super().__init__()
+        self.draft = draft
+        self.steps = steps
+        self.step_weights = step_weights
+
+    def forward(self, batch: TTTBatch, normaliser: torch.Tensor | None = None) -> TTTResult:
+        return ttt_forward(self.draft, batch, self.steps, self.step_weights, normaliser)
+
+
 def simulated_acceptance_length(step_accuracy: list[float], num_draft_tokens: int) -> float:
     """1 + sum_k prod_{j<=k} acc_j: the expected tokens per target forward if step j were accepted with
     probability acc_j given steps < j were. TTT accuracies are measured on teacher tokens, so this is an
