@@ -70,3 +70,36 @@ def quickstart_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("quickstart")
     subprocess.run([sys.executable, "-m", "wingspan", "quickstart", "--out", str(out)], check=True, timeout=3600)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-model tests: tiny matmuls gain nothing from threads, and on a
+    loaded 2-core machine a 2-thread pool made each few-token forward ~100x slower (14 ms per 4x32x64 linear)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def counting_chat(tmp_path_factory):
+    """Factory: a ShareGPT jsonl of `n` short conversations; conversation i asks to count from i and the
+    assistant counts 4 + i % spread numbers (lengths vary, so batches pad)."""
+    import json
+
+    def make(n: int, spread: int) -> Path:
+        path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+        rows = [
+            {"conversations": [
+                {"role": "user", "content": f"Count from {i} to {i + 3 + i % spread}, please."},
+                {"role": "assistant", "content": " ".join(str(k) for k in range(i, i + 4 + i % spread)) + ". Done!"},
+            ]}
+            for i in range(n)
+        ]  # fmt: skip
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    return make

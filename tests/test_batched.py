@@ -23,13 +23,7 @@ from wingspan.models.target import TargetModel
 PROMPTS = [[5, 17, 300, 4000], list(range(100, 112)), [7], [1, 2000, 42]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads (and a loaded 2-core machine makes them much slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,7 @@ H = 32  # the tiny model's hidden size
 SHARD_BYTES = 40 * bytes_per_token(H, 3)  # about 40 tokens a shard: several shards from a dozen records
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +44,8 @@ def target(tiny_llama_dir) -> TargetModel:
 
 
 @pytest.fixture(scope="module")
-def conversations(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
-    rows = [
-        {"conversations": [
-            {"role": "user", "content": f"Count from {i} to {i + 3 + i % 4}, please."},
-            {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 4 + i % 4)) + ". Done!"},
-        ]}
-        for i in range(12)
-    ]  # fmt: skip
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+def conversations(counting_chat):
+    return counting_chat(12, spread=4)
 
 
 def config_for(tmp_path, tiny_llama_dir, conversations, **overrides) -> TrainConfig:

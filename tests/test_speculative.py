@@ -14,14 +14,7 @@ PROMPTS = [[5, 17, 300, 4000], [1, 2000, 42], list(range(100, 112)), [7]]
 FAVOURED = 1234  # the token the predictable target and the biased drafts like
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a loaded 2-core machine a 2-thread pool made each
-    few-token target forward ~100x slower (14 ms per 4x32x64 linear)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sharpen(model: torch.nn.Module) -> None:
