@@ -1,0 +1,345 @@
+"""Training throughput (non-pad tokens/s) online and offline, with the parts of an online step measured apart.
+
+For each setting (draft layers D x max length), on the real target and real conversations, in one process
+(a fresh subprocess per setting, so that peak memory figures do not mix), on the same micro-batches:
+  (a) target   the online feature source alone (`OnlineFeatures`: target forward + draft-vocab logits);
+  (b) draft    `ttt_forward` + backward alone, on features precomputed once by (a);
+  (c) online   the trainer's step: collate, features, TTT under bf16 autocast, backward, clip, AdamW;
+  (d) offline  the same step fed by `DumpFeatures` from a dump written first to a temp dir (`write_dump`,
+               its own time reported as `dump`).
+The micro-batches are the trainer's (`plan_batches`, seed 0, epoch 0, shuffled, `--batch-tokens`), or
+with `--batch-size-1` also one conversation per micro-batch (SpecForge's batch 1, the anchor's setting).
+The first `--warmup` micro-batches of each phase are not timed.
+
+Steps (c) and (d) replicate `train()`'s step (`wingspan.train.trainer`) from its own pieces (build_draft,
+TTTLoss, AdamW, learning_rate, clip_grad_norm_, step_masks normaliser) rather than calling `train()`, which
+has no per-step timing hook, plans its own batches and writes checkpoints; one micro-batch per step
+(grad_accum 1), one process.
+
+Peak memory is the process's peak RSS (VmHWM, reset through /proc/self/clear_refs before each phase, so
+each phase's figure is its own peak, model and data included; ru_maxrss where that is unavailable).
+
+Goals (issue 4): online time <= 1.3 x (target time + draft time); offline >= 3 x online; online (batch 1,
+D = 1, length 1024) >= 1.5 x SpecForge's 223 tok/s (2 cores); peak memory at length 2048 (D = 3) < 2 x
+that at 1024.
+
+    python bench/train_throughput.py --layers 1,3 --seq 1024,2048 --batch-size-1 --json /tmp/tt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+SPECFORGE_ANCHOR = 223.0  # non-pad tokens/s: SpecForge, 1-layer draft, TTT 7, max length 1024, batch 1, 2 cores
+SPECFORGE_RSS_GB = 5.1
+ONLINE_OVERHEAD_GOAL = 1.3
+OFFLINE_GOAL = 3.0
+ANCHOR_GOAL = 1.5
+MEMORY_GOAL = 2.0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--data", default=str(SHARED / "data/train/sharegpt500_smollm2_regen.jsonl"),
+                        help="a conversation file (ShareGPT / OpenAI messages / EAGLE questions)")  # fmt: skip
+    parser.add_argument("--layers", default="1,3", help="draft decoder layers D, comma-separated")
+    parser.add_argument("--seq", default="1024,2048", help="max lengths, comma-separated")
+    parser.add_argument("--ttt", type=int, default=7, help="TTT steps")
+    parser.add_argument("--batch-tokens", type=int, default=2048, help="micro-batch token budget (>= seq)")
+    parser.add_argument("--batch-size-1", action="store_true",
+                        help="also run every setting with one conversation per micro-batch (SpecForge's batch 1)")
+    parser.add_argument("--draft-vocab", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=4, help="timed micro-batches (= optimizer steps) per phase")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed micro-batches before them")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-autocast", action="store_true", help="run the draft in fp32 (default: bf16 autocast)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the settings in this process (peak memory then covers the earlier settings too)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # JSON spec of one setting; internal
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------- memory
+
+
+def _hwm_kb() -> int | None:
+    try:
+        return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+    except (OSError, AttributeError):
+        return None
+
+
+def reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_gb() -> float:
+    kb = _hwm_kb() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # both in KiB on Linux
+    return kb * 1024 / 1e9
+
+
+# ----------------------------------------------------------------------------------------- worker
+
+
+def run_setting(spec: dict) -> dict:
+    """All four phases for one setting; returns its figures."""
+    from wingspan.config import TrainConfig
+    from wingspan.data.hidden_states import DumpFeatures, HiddenStateDump, dump_identity, write_dump
+    from wingspan.data.vocab import build_draft_vocab
+    from wingspan.models.target import TargetModel
+    from wingspan.pipeline import tokenized_dataset
+    from wingspan.train.distributed import clip_grad_norm_
+    from wingspan.train.features import OnlineFeatures, collate
+    from wingspan.train.trainer import build_draft, learning_rate, plan_batches, to_device
+    from wingspan.train.ttt import TTTLoss, step_masks
+
+    torch.set_num_threads(spec["threads"])
+    resettable = reset_peak()
+    target = TargetModel.load(spec["target"], dtype="bfloat16")
+    seq = spec["seq"]
+    config = TrainConfig(
+        target=spec["target"], data=[spec["data"]], num_hidden_layers=spec["layers"],
+        draft_vocab_size=spec["draft_vocab"], max_length=seq, batch_tokens=max(spec["batch_tokens"], seq),
+        ttt_steps=spec["ttt"], autocast_bf16=spec["autocast"], num_threads=spec["threads"],
+    )  # fmt: skip
+    device = target.device
+    records = tokenized_dataset(config.data, target.tokenizer, seq)
+    vocab = build_draft_vocab(records, target.vocab_size, min(config.draft_vocab_size, target.vocab_size),
+                              always_include=target.eos_token_ids)  # fmt: skip
+    count = spec["warmup"] + spec["steps"]
+    lengths = [len(r.input_ids) for r in records]
+    if spec["bs1"]:
+        order = list(range(len(records)))  # one conversation per micro-batch, in a seeded random order
+        random.Random(config.seed).shuffle(order)
+        plan = [[i] for i in order]
+    else:
+        plan = plan_batches(lengths, config.batch_tokens, config.seed, 0, config.shuffle)
+    plan = plan[:count]
+    if len(plan) < count:
+        raise SystemExit(f"{spec['data']}: only {len(plan)} micro-batches, {count} needed")
+    # The records of these micro-batches, renumbered 0..n-1: the dump of phase (d) holds exactly them.
+    subset = [records[i] for batch in plan for i in batch]
+    batches, start = [], 0
+    for batch in plan:
+        batches.append(list(range(start, start + len(batch))))
+        start += len(batch)
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    micros = [collate(subset, b, pad_id) for b in batches]
+    tokens = [int(m.attention_mask.sum()) for m in micros]
+    timed_tokens = sum(tokens[spec["warmup"] :])
+    step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16)
+    result: dict = {"micro_batches": [len(b) for b in batches], "padded_tokens": [m.attention_mask.numel() for m in micros],
+                    "timed_tokens": timed_tokens, "peak_reset": resettable, "phases": {}}  # fmt: skip
+
+    def phase(name: str, body, reset: bool = True) -> list:
+        """Run body(k) on every micro-batch; time the ones after the warm-up; record tokens/s and peak RSS."""
+        if reset:
+            reset_peak()
+        outputs, seconds = [], 0.0
+        for k in tqdm(range(count), desc=f"{spec['label']} {name}", unit="batch", leave=False, dynamic_ncols=True):
+            started = time.perf_counter()
+            outputs.append(body(k))
+            if k >= spec["warmup"]:
+                seconds += time.perf_counter() - started
+        result["phases"][name] = {"seconds": seconds, "tokens_per_s": timed_tokens / seconds, "peak_rss_gb": peak_gb()}
+        return outputs
+
+    def normaliser(micro):  # the trainer's: the step's counted positions per TTT step (one micro-batch here)
+        return step_masks(micro.loss_mask, config.ttt_steps).sum(dim=(1, 2)).clamp(min=1).to(device)
+
+    # (a) the target's side alone
+    online = OnlineFeatures(target, vocab.d2t)
+    features = phase("target", lambda k: online(micros[k]))
+
+    # (b) the draft's forward + backward alone, on those features
+    torch.manual_seed(config.seed)
+    draft = build_draft(target, config, vocab.d2t, vocab.t2d).to(device)
+    loss = TTTLoss(draft, config.ttt_steps, step_weights)
+
+    def draft_pass(k: int) -> None:
+        batch = to_device(features[k], device)
+        with torch.autocast(**autocast):
+            out = loss(batch, normaliser(micros[k]))
+        out.loss.backward()
+        draft.zero_grad(set_to_none=True)
+
+    phase("draft", draft_pass)
+    del features, draft, loss
+
+    # (c), (d): train()'s step, one micro-batch per optimizer step
+    def trainer_step(source):
+        torch.manual_seed(config.seed)
+        draft = build_draft(target, config, vocab.d2t, vocab.t2d).to(device)
+        model = TTTLoss(draft, config.ttt_steps, step_weights)  # parallelize() returns it as is on one process
+        trainable = [p for p in draft.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+        sums = torch.zeros(3 * config.ttt_steps + 1, dtype=torch.float64)
+
+        def step(k: int) -> float:
+            nonlocal sums
+            micro = collate(subset, batches[k], pad_id)
+            norm = normaliser(micro)
+            lr = learning_rate(k, count, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = to_device(source(micro), device)
+            with torch.autocast(**autocast):
+                out = model(batch, norm)
+            out.loss.backward()
+            sums = sums + torch.cat([out.loss_sum, out.correct, out.count, out.count.new_tensor([int(micro.attention_mask.sum())])]).cpu()  # MetricLog.add
+            clip_grad_norm_(trainable, config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return float(out.loss.detach())
+
+        return step
+
+    losses_online = phase("online", trainer_step(online))
+
+    with tempfile.TemporaryDirectory(prefix="wingspan-bench-dump-") as tmp:
+        reset_peak()
+        identity = dump_identity(config, target)
+        started = time.perf_counter()
+        write_dump(target, subset, identity, Path(tmp) / "dump", batch_tokens=config.batch_tokens)
+        seconds = time.perf_counter() - started
+        total_tokens = sum(tokens)
+        result["phases"]["dump"] = {"seconds": seconds, "tokens_per_s": total_tokens / seconds, "peak_rss_gb": peak_gb(),
+                                    "tokens": total_tokens}  # fmt: skip
+        dump = HiddenStateDump(Path(tmp) / "dump")
+        assert all(a.input_ids == b.input_ids for a, b in zip(dump.records, subset)), "dump records out of order"
+        offline = DumpFeatures(dump, target, vocab.d2t)
+        losses_offline = phase("offline", trainer_step(offline))
+    result["loss_online"] = losses_online
+    result["loss_offline"] = losses_offline
+    return result
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+
+def settings(args: argparse.Namespace) -> list[dict]:
+    common = {k: getattr(args, k) for k in ("target", "data", "ttt", "batch_tokens", "draft_vocab", "steps", "warmup", "threads")}
+    common["autocast"] = not args.no_autocast
+    out = []
+    for bs1 in [False, True] if args.batch_size_1 else [False]:
+        for layers in (int(x) for x in args.layers.split(",")):
+            for seq in (int(x) for x in args.seq.split(",")):
+                label = f"D={layers} seq={seq} {'bs=1' if bs1 else f'{max(args.batch_tokens, seq)}tok'}"
+                out.append({**common, "layers": layers, "seq": seq, "bs1": bs1, "label": label})
+    return out
+
+
+def run_in_subprocess(spec: dict) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, __file__, "--worker", json.dumps({**spec, "out": f.name})], check=True)
+        return json.loads(Path(f.name).read_text())
+
+
+def summarise(spec: dict, r: dict) -> dict:
+    p = r["phases"]
+    a, b, c, d = (p[n]["tokens_per_s"] for n in ("target", "draft", "online", "offline"))
+    parts = p["target"]["seconds"] + p["draft"]["seconds"]
+    return {
+        "label": spec["label"], "layers": spec["layers"], "seq": spec["seq"], "bs1": spec["bs1"],
+        "target_tps": a, "draft_tps": b, "parts_tps": 1 / (1 / a + 1 / b), "online_tps": c, "offline_tps": d,
+        "dump_tps": p["dump"]["tokens_per_s"],
+        "online_over_parts": p["online"]["seconds"] / parts, "offline_over_online": d / c,
+        "online_over_anchor": c / SPECFORGE_ANCHOR, "online_over_target": c / a,
+        "peak_online_gb": p["online"]["peak_rss_gb"], "peak_offline_gb": p["offline"]["peak_rss_gb"],
+        "peak_dump_gb": p["dump"]["peak_rss_gb"],
+    }  # fmt: skip
+
+
+def verdict(ok: bool) -> str:
+    return "meets" if ok else "MISSES"
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        Path(spec["out"]).write_text(json.dumps(run_setting(spec)))
+        return
+    specs = settings(args)
+    raw, rows = [], []
+    for spec in tqdm(specs, desc="settings", unit="setting", dynamic_ncols=True):
+        r = run_setting(spec) if args.in_process else run_in_subprocess(spec)
+        raw.append({"spec": spec, "result": r})
+        rows.append(summarise(spec, r))
+
+    print(f"\n{args.target} (bf16) -> EAGLE-3 draft, TTT {args.ttt}, draft vocab {args.draft_vocab}, "
+          f"{'fp32' if args.no_autocast else 'bf16 autocast'}, {args.threads} thread(s), {args.steps} timed micro-batches "
+          f"after {args.warmup} warm-up, data {Path(args.data).name}")  # fmt: skip
+    print("tokens/s are non-pad tokens; parts = 1/(1/target + 1/draft), the online rate if it cost exactly the "
+          "target forward plus the draft's forward/backward; peak = phase's peak RSS "
+          f"({'one subprocess per setting' if not args.in_process else 'one process for all settings'})\n")
+    print(f"{'setting':<24}{'target':>8}{'draft':>8}{'parts':>8}{'online':>8}{'offline':>9}{'dump':>8}"
+          f"{'on/parts':>10}{'off/on':>8}{'on/223':>8}{'on/tgt':>8}{'peak on':>9}{'peak off':>9}")  # fmt: skip
+    for r in rows:
+        print(f"{r['label']:<24}{r['target_tps']:>8.0f}{r['draft_tps']:>8.0f}{r['parts_tps']:>8.0f}{r['online_tps']:>8.0f}"
+              f"{r['offline_tps']:>9.0f}{r['dump_tps']:>8.0f}{r['online_over_parts']:>9.2f}x{r['offline_over_online']:>7.2f}x"
+              f"{r['online_over_anchor']:>7.2f}x{r['online_over_target']:>7.2f}x{r['peak_online_gb']:>7.2f}GB"
+              f"{r['peak_offline_gb']:>7.2f}GB")  # fmt: skip
+
+    print()
+    verdicts = {}
+    worst = max(rows, key=lambda r: r["online_over_parts"])
+    verdicts["online_overhead"] = worst["online_over_parts"] <= ONLINE_OVERHEAD_GOAL
+    print(f"online vs target + draft: at most {worst['online_over_parts']:.2f}x the time ({worst['label']}): "
+          f"{verdict(verdicts['online_overhead'])} the <= {ONLINE_OVERHEAD_GOAL}x goal")
+    worst = min(rows, key=lambda r: r["offline_over_online"])
+    verdicts["offline_speedup"] = worst["offline_over_online"] >= OFFLINE_GOAL
+    print(f"offline vs online: at least {worst['offline_over_online']:.2f}x ({worst['label']}): "
+          f"{verdict(verdicts['offline_speedup'])} the >= {OFFLINE_GOAL}x goal")
+    anchor_rows = [r for r in rows if r["layers"] == 1 and r["seq"] == 1024]
+    anchor = next((r for r in anchor_rows if r["bs1"]), anchor_rows[0] if anchor_rows else None)
+    if anchor:
+        verdicts["specforge_anchor"] = anchor["online_over_anchor"] >= ANCHOR_GOAL
+        note = "" if anchor["bs1"] else " (batch of tokens, not batch 1: pass --batch-size-1 for the anchor's setting)"
+        print(f"online vs SpecForge ({SPECFORGE_ANCHOR:.0f} tok/s, {SPECFORGE_RSS_GB} GB, D=1, TTT 7, len 1024, batch 1, "
+              f"2 cores): {anchor['online_tps']:.0f} tok/s = {anchor['online_over_anchor']:.2f}x, peak "
+              f"{anchor['peak_online_gb']:.2f} GB, {anchor['label']}{note}: {verdict(verdicts['specforge_anchor'])} the "
+              f">= {ANCHOR_GOAL}x goal; the same run is {anchor['online_over_target']:.2f}x this machine's "
+              f"target-forward-only rate ({anchor['target_tps']:.0f} tok/s)")  # fmt: skip
+    else:
+        print("online vs SpecForge: no D=1, seq=1024 setting was run")
+    for bs1 in sorted({r["bs1"] for r in rows}):
+        by_seq = {r["seq"]: r for r in rows if r["layers"] == 3 and r["bs1"] == bs1}
+        if 1024 in by_seq and 2048 in by_seq:
+            ratio = by_seq[2048]["peak_online_gb"] / by_seq[1024]["peak_online_gb"]
+            key = "memory_2048_vs_1024" + ("_bs1" if bs1 else "")
+            verdicts[key] = ratio < MEMORY_GOAL
+            print(f"peak memory D=3 ({'batch 1' if bs1 else 'batch of tokens'}), seq 2048 / seq 1024 (online): "
+                  f"{by_seq[2048]['peak_online_gb']:.2f} / {by_seq[1024]['peak_online_gb']:.2f} GB = {ratio:.2f}x: "
+                  f"{verdict(verdicts[key])} the < {MEMORY_GOAL}x goal")  # fmt: skip
+    if not any(k.startswith("memory") for k in verdicts):
+        print("peak memory seq 2048 / 1024: needs D=3 at both lengths (--layers 3 --seq 1024,2048)")
+    print("\n(wall-clock rates on a shared machine: compare the ratios, measured side by side, more than the rates)")
+    if args.json:
+        out = {"args": {k: str(v) for k, v in vars(args).items() if k != "worker"}, "rows": rows,
+               "verdicts": verdicts, "raw": raw}  # fmt: skip
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
