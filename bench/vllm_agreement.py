@@ -36,6 +36,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2, help="torch threads for wingspan's decoding")
+    parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's run without the draft")
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm/bin/python")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
@@ -44,7 +45,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         vllm = run_vllm_referee(args.vllm_python, target_dir, args.draft, args.prompts, Path(tmp) / "vllm.json",
                                 num_spec_tokens=args.num_spec_tokens, max_tokens=args.max_tokens,
-                                num_prompts=args.num_prompts, dtype=args.dtype)  # fmt: skip
+                                num_prompts=args.num_prompts, dtype=args.dtype,
+                                baseline=not args.no_baseline)  # fmt: skip
     torch.set_num_threads(args.threads)
     target, draft = load_models(target_dir, args.draft, args.dtype)
     result = agreement(vllm, target, draft)
