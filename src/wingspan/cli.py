@@ -9,6 +9,7 @@ import typer
 
 from wingspan.config import ConfigError, TrainConfig, apply_overrides, from_dict, read_mapping, to_dict
 from wingspan.data.conversations import DataError
+from wingspan.data.server import ServerError
 from wingspan.eval import MissingPackageError
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -78,19 +79,34 @@ def data_regenerate(
     dtype: DtypeOption = "bfloat16",
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     max_new_tokens: int = 512,
-    batch_size: int = 16,
+    batch_size: Annotated[int, typer.Option(help="Conversations per batched generate (in-process).")] = 16,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N conversations.")] = None,
+    server: Annotated[Optional[str], typer.Option(
+        help="An OpenAI-compatible server (vLLM, SGLang) serving the target, e.g. http://localhost:8000: "
+        "replies come from it instead of an in-process model (--target and --dtype are then unused).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="The served model's name (default: the server's only model).")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Conversations in flight at once (--server).")] = 8,
 ) -> None:
     """Replace the assistant turns of a file by the target's own replies. Resumable."""
     from wingspan.data.conversations import read_conversations
-    from wingspan.data.synth import regenerate
-    from wingspan.models.target import TargetModel
 
     conversations, report = read_conversations(source)
     if report.skipped:
         typer.echo(report.summary())
-    model = TargetModel.load(target, dtype=dtype)
-    regenerate(model, conversations[:limit], out, temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    conversations = conversations[:limit]
+    if server:
+        from wingspan.data.server import ChatServer, regenerate_via_server
+
+        chat = ChatServer(server, model)
+        regenerate_via_server(chat, conversations, out, temperature=temperature, max_new_tokens=max_new_tokens,
+                              concurrency=concurrency)  # fmt: skip
+    else:
+        from wingspan.data.synth import regenerate
+        from wingspan.models.target import TargetModel
+
+        target_model = TargetModel.load(target, dtype=dtype)
+        regenerate(target_model, conversations, out, temperature=temperature, max_new_tokens=max_new_tokens,
+                   batch_size=batch_size)  # fmt: skip
     typer.echo(f"wrote {out}")
 
 
@@ -270,7 +286,7 @@ def quickstart(
 def main() -> None:
     try:
         app()
-    except (ConfigError, DataError, FileNotFoundError, FileExistsError, MissingPackageError) as error:
+    except (ConfigError, DataError, FileNotFoundError, FileExistsError, MissingPackageError, ServerError) as error:
         typer.echo(f"error: {error}", err=True)
         raise SystemExit(2) from None
 

@@ -344,3 +344,21 @@ def append_conversations_jsonl(conversations: Iterable[Conversation], path: str 
         f.write(text.encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_finished(path: Path) -> list[Conversation]:
+    """The complete records of a previous run's output; a last line cut short by an interruption is dropped."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # no newline after it: the write was cut off
+                break
+            raise ValueError(f"{path}:{number}: not valid JSON; is this file the output of an earlier run?") from None
+        messages = [Message(m["role"], m["content"]) for m in record["conversations"]]
+        records.append(Conversation(messages, id=record["id"], source=f"{path}:{number}"))
+    return records

@@ -12,7 +12,6 @@ and each is seeded on its own.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections import Counter
@@ -24,6 +23,7 @@ from wingspan.data.conversations import (
     Conversation,
     Message,
     append_conversations_jsonl,
+    read_finished,
     write_conversations_jsonl,
 )
 from wingspan.models.target import Generation, TargetModel, end_of_turn_id, special_ids
@@ -47,24 +47,6 @@ def user_turn_prefix(target: TargetModel) -> list[int]:
     if sentinel not in text:
         raise ValueError(f"{target.name}: the chat template does not render the user message's content")
     return target.tokenizer(text[: text.index(sentinel)], add_special_tokens=False)["input_ids"]
-
-
-def read_finished(path: Path) -> list[Conversation]:
-    """The complete records of a previous run's output; a last line cut short by an interruption is dropped."""
-    lines = path.read_text(encoding="utf-8").split("\n")
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):  # no newline after it: the write was cut off
-                break
-            raise ValueError(f"{path}:{number}: not valid JSON; is this file the output of an earlier run?") from None
-        messages = [Message(m["role"], m["content"]) for m in record["conversations"]]
-        records.append(Conversation(messages, id=record["id"], source=f"{path}:{number}"))
-    return records
 
 
 def decode(target: TargetModel, generation: Generation) -> str:

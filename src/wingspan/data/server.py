@@ -1,0 +1,144 @@
+"""Regeneration at scale: the target's replies from an OpenAI-compatible server (vLLM, SGLang) instead of
+in-process transformers, for targets and datasets too big for `wingspan.data.synth.regenerate`.
+
+The job is the same: every user turn is kept, every assistant turn is replaced by the target's reply to
+the conversation so far (its own earlier replies included), a conversation whose next prompt no longer fits
+the server's context ends with its previous reply. The server applies the target's chat template. Up to
+`concurrency` conversations are in flight; each finished one is appended to the output in input order, so
+the file is the same whatever the timing, and a run resumes from it by conversation id.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+from wingspan.data.conversations import (
+    Conversation,
+    Message,
+    append_conversations_jsonl,
+    read_finished,
+    write_conversations_jsonl,
+)
+
+RETRIES = 4  # connection errors and 5xx: the server may be restarting or overloaded
+# What vLLM and SGLang say when the prompt plus max_tokens exceeds the context (HTTP 400).
+CONTEXT_ERRORS = ("maximum context length", "context length", "too long", "max_model_len")
+
+
+class ServerError(RuntimeError):
+    """The server refused a request for a reason other than the prompt's length."""
+
+
+class ChatServer:
+    """A minimal OpenAI-compatible chat client (standard library only)."""
+
+    def __init__(self, url: str, model: str | None = None, timeout: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        if not self.url.endswith("/v1"):
+            self.url += "/v1"
+        self.timeout = timeout
+        self.model = model or self._only_model()
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        for attempt in range(RETRIES + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                detail = error.read().decode(errors="replace")
+                if error.code < 500 or attempt == RETRIES:
+                    raise ServerError(f"{self.url}{path}: HTTP {error.code}: {detail[:2000]}") from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+                if attempt == RETRIES:
+                    raise ServerError(f"{self.url}{path}: {error}") from None
+            time.sleep(2**attempt)
+        raise AssertionError("unreachable")
+
+    def _only_model(self) -> str:
+        models = [m["id"] for m in self._request("/models")["data"]]
+        if len(models) != 1:
+            raise ServerError(f"{self.url} serves {models}: pass --model to choose one")
+        return models[0]
+
+    def reply(self, messages: list[dict[str, str]], max_tokens: int, temperature: float, seed: int) -> str | None:
+        """The assistant's reply to `messages`, or None when they no longer fit the server's context."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": temperature, "seed": seed}  # fmt: skip
+        try:
+            return self._request("/chat/completions", body)["choices"][0]["message"]["content"]
+        except ServerError as error:
+            if "HTTP 400" in str(error) and any(phrase in str(error).lower() for phrase in CONTEXT_ERRORS):
+                return None
+            raise
+
+
+def reply_turn_by_turn(server: ChatServer, conversation: Conversation, max_new_tokens: int,
+                       temperature: float, seed: int) -> Conversation:  # fmt: skip
+    """Answer each user turn after the target's own earlier replies; stop where the context is full.
+    Sampling is seeded per conversation (seed, id), so a reply does not depend on what ran before it."""
+    seed = random.Random(f"regenerate/{seed}/{conversation.id}").getrandbits(31)
+    history: list[Message] = []
+    pending: list[Message] = []
+    for message in (m for m in conversation.messages if m.role != "assistant"):
+        pending.append(message)
+        if message.role != "user":
+            continue
+        asked = history + pending
+        messages = [{"role": m.role, "content": m.content} for m in asked]
+        reply = server.reply(messages, max_new_tokens, temperature, seed)
+        if reply is None:
+            break
+        history, pending = asked + [Message("assistant", reply)], []
+    return Conversation(history, id=conversation.id, source=conversation.source)
+
+
+def regenerate_via_server(
+    server: ChatServer,
+    conversations: list[Conversation],
+    out_path: str | Path,
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int = 512,
+    concurrency: int = 8,
+    seed: int = 0,
+    resume: bool = True,
+) -> int:
+    """`synth.regenerate` through a server; returns the number of conversations in `out_path`."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+    repeated = [i for i, n in Counter(c.id for c in conversations).items() if n > 1]
+    if repeated:
+        raise ValueError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
+    out_path = Path(out_path)
+    done = read_finished(out_path) if resume and out_path.exists() else []
+    write_conversations_jsonl(done, out_path)  # drops a line cut short by an interruption
+    finished = {c.id for c in done}
+    todo = [c for c in conversations if c.id not in finished]
+    count, too_long = len(done), 0
+    pool = ThreadPoolExecutor(concurrency)  # at most `concurrency` requests in flight
+    try:
+        futures = [pool.submit(reply_turn_by_turn, server, c, max_new_tokens, temperature, seed) for c in todo]
+        with tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv") as bar:
+            for future in futures:  # in input order: the file does not depend on which reply came first
+                replied = future.result()
+                if replied.has_assistant_turn():
+                    append_conversations_jsonl([replied], out_path)
+                    count += 1
+                else:
+                    too_long += 1
+                    bar.set_postfix(too_long=too_long)
+                bar.update(1)
+    finally:
+        pool.shutdown(cancel_futures=True)  # after an error, the queued conversations are not sent
+    return count
