@@ -362,3 +362,15 @@ def read_finished(path: Path) -> list[Conversation]:
         messages = [Message(m["role"], m["content"]) for m in record["conversations"]]
         records.append(Conversation(messages, id=record["id"], source=f"{path}:{number}"))
     return records
+
+
+def resume_by_id(conversations: list[Conversation], out_path: Path, resume: bool) -> list[Conversation]:
+    """Start (or continue) an output that is resumed by conversation id: the ids must be unique; returns the
+    conversations a previous run finished in `out_path` (none without `resume`), after rewriting the file
+    with just those, which drops a last line cut short by an interruption."""
+    repeated = [i for i, n in Counter(c.id for c in conversations).items() if n > 1]
+    if repeated:
+        raise ValueError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
+    done = read_finished(out_path) if resume and out_path.exists() else []
+    write_conversations_jsonl(done, out_path)
+    return done

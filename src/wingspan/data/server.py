@@ -15,19 +15,12 @@ import random
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
 
-from wingspan.data.conversations import (
-    Conversation,
-    Message,
-    append_conversations_jsonl,
-    read_finished,
-    write_conversations_jsonl,
-)
+from wingspan.data.conversations import Conversation, Message, append_conversations_jsonl, resume_by_id
 
 RETRIES = 4  # connection errors and 5xx: the server may be restarting or overloaded
 # What vLLM and SGLang say when the prompt plus max_tokens exceeds the context (HTTP 400).
@@ -117,12 +110,8 @@ def regenerate_via_server(
     """`synth.regenerate` through a server; returns the number of conversations in `out_path`."""
     if concurrency < 1:
         raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
-    repeated = [i for i, n in Counter(c.id for c in conversations).items() if n > 1]
-    if repeated:
-        raise ValueError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
     out_path = Path(out_path)
-    done = read_finished(out_path) if resume and out_path.exists() else []
-    write_conversations_jsonl(done, out_path)  # drops a line cut short by an interruption
+    done = resume_by_id(conversations, out_path, resume)
     finished = {c.id for c in done}
     todo = [c for c in conversations if c.id not in finished]
     count, too_long = len(done), 0

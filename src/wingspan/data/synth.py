@@ -24,6 +24,7 @@ from wingspan.data.conversations import (
     Message,
     append_conversations_jsonl,
     read_finished,
+    resume_by_id,
     write_conversations_jsonl,
 )
 from wingspan.models.target import Generation, TargetModel, end_of_turn_id, special_ids
@@ -184,13 +185,8 @@ def regenerate(
     (less padding). With resume, conversations whose id is already in `out_path` are not redone.
     Returns the number of conversations in `out_path`.
     """
-    ids = Counter(c.id for c in conversations)
-    repeated = [i for i, n in ids.items() if n > 1]
-    if repeated:
-        raise ValueError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
     out_path = Path(out_path)
-    done = read_finished(out_path) if resume and out_path.exists() else []
-    write_conversations_jsonl(done, out_path)  # drops a line cut short by an interruption
+    done = resume_by_id(conversations, out_path, resume)
     finished = {c.id for c in done}
 
     first_prompt_length = {}
