@@ -40,7 +40,6 @@ worth their complexity here.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -52,10 +51,12 @@ from wingspan.decode.speculative import (
     SpecResult,
     TreeShape,
     _check_compatible,
+    _choose,
     _Clock,
     _finish,
     _model_mask,
     _pick,
+    _run_target,
     _verify,
 )
 from wingspan.models.draft import Eagle3Draft, KVCache, MaskedAttend, new_kv_caches
@@ -87,18 +88,10 @@ def _target_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One cached target forward over ids [B, T] (the last T slots of `valid`): (logits [B, T or 1, V],
     aux [B, T, num_aux * H])."""
-    model = target.model
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    extra = {"logits_to_keep": 1} if last_only else {}
-    device = target.device
-    mask = _model_mask(target, _attention_mask(valid.to(device), ids.shape[1]))
+    mask = _model_mask(target, _attention_mask(valid.to(target.device), ids.shape[1]))
     with target.capture_aux() as captured:
-        out = model(
-            input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask, use_cache=True,
-            **{name: cache}, **extra,
-        )  # fmt: skip
-    aux = torch.cat([captured[i] for i in target.aux_layer_ids], dim=-1)
-    return out.logits, aux
+        out = _run_target(target, ids, cache, last_only, position_ids=positions.to(target.device), attention_mask=mask)
+    return out.logits, target.aux_features(captured)
 
 
 _COMPACT_FACTOR = 2.0  # compact when the cache would shrink at least this many times (tests set 1: always)
@@ -150,15 +143,9 @@ def _draft_next(
     """Each row's next draft token (target ids [B]) from pre-norm hidden states [B, H], and the target-vocab
     distributions [B, V] they were sampled from (None when greedy), as `speculative._draft_tree` for a chain."""
     with clock("draft"):
-        logits = draft.logits(hidden).float()
-    if temperature > 0:
-        q_draft = torch.softmax(logits / temperature, dim=-1)
-        choice = torch.multinomial(q_draft, 1, generator=generator)[:, 0]
-        q = torch.zeros(hidden.shape[0], draft.config.vocab_size, device=hidden.device)
-        q[:, draft.draft_to_target(torch.arange(q_draft.shape[-1], device=hidden.device))] = q_draft
-        return draft.draft_to_target(choice), q
-    choice = torch.log_softmax(logits, dim=-1).topk(1, dim=-1).indices[:, 0]  # topk: batch-1's tie-breaking
-    return draft.draft_to_target(choice), None
+        logits = draft.logits(hidden)
+    tokens, _, q = _choose(draft, logits, 1, temperature, generator)
+    return tokens[:, 0], q
 
 
 @dataclass

@@ -45,9 +45,17 @@ class TreeShape:
     def __post_init__(self) -> None:
         if min(self.depth, self.top_k, self.total_tokens) < 1:
             raise ValueError(f"tree shape: depth, top_k and total_tokens must be >= 1, got {self}")
-        most = self.top_k + (self.depth - 1) * self.top_k**2
+        most = self.nodes_drafted(self.depth)
         if self.total_tokens > most:
             raise ValueError(f"tree shape {self}: total_tokens can be at most top_k + (depth - 1) * top_k^2 = {most}")
+
+    def nodes_drafted(self, depth: int) -> int:
+        """How many nodes `depth` steps draft: top_k children of the root, then top_k^2 per step."""
+        return self.top_k + (depth - 1) * self.top_k**2
+
+    def shortened(self, depth: int) -> TreeShape:
+        """This shape cut to `depth` steps (near max_new_tokens), keeping at most what they draft."""
+        return TreeShape(depth, self.top_k, min(self.total_tokens, self.nodes_drafted(depth)))
 
 
 @dataclass
@@ -112,15 +120,31 @@ class _Clock:
         self.seconds[self.part] += time.perf_counter() - self.start
 
 
-def _run_target(target: TargetModel, ids: list[int], cache: DynamicCache, last_only: bool = False, **extra):
-    """One cached target forward. The cache argument is `cache` in recent transformers, where
-    `past_key_values` is deprecated, and `past_key_values` in older ones."""
+def _run_target(target: TargetModel, input_ids: torch.Tensor, cache: DynamicCache, last_only: bool = False, **extra):
+    """One cached target forward over input_ids [B, T]. The cache argument is `cache` in recent
+    transformers, where `past_key_values` is deprecated, and `past_key_values` in older ones."""
     model = target.model
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     if last_only:
         extra["logits_to_keep"] = 1
-    input_ids = torch.tensor([ids], device=target.device)
-    return model(input_ids=input_ids, use_cache=True, **{name: cache}, **extra)
+    return model(input_ids=input_ids.to(target.device), use_cache=True, **{name: cache}, **extra)
+
+
+def _choose(
+    draft: Eagle3Draft, logits: torch.Tensor, top_k: int, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Children of each row of draft logits [n, draft_vocab]: (target ids [n, c], their draft log-probs
+    [n, c], the target-vocab distributions [n, V] they were sampled from, or None when chosen greedily).
+    Greedy: the top_k children. Sampling (chains): one child drawn from the draft; q is kept for verification."""
+    logits = logits.float()
+    if temperature > 0:
+        q_draft = torch.softmax(logits / temperature, dim=-1)
+        choice = torch.multinomial(q_draft, 1, generator=generator)
+        q = torch.zeros(logits.shape[0], draft.config.vocab_size, device=logits.device)
+        q[:, draft.draft_to_target(torch.arange(q_draft.shape[-1], device=logits.device))] = q_draft
+        return draft.draft_to_target(choice), q_draft.gather(-1, choice).log(), q
+    logp, choice = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+    return draft.draft_to_target(choice), logp, None
 
 
 def _model_mask(target: TargetModel, mask: torch.Tensor) -> torch.Tensor:
@@ -152,9 +176,8 @@ def _target_step(
     """Run the target over `ids` after what `cache` holds: (logits [T, V], aux [T, num_aux * H]).
     `attention`: a tree's mask and positions (`_tree_attention`)."""
     with target.capture_aux() as captured:  # the same hooks as TargetModel.forward, around a cached call
-        out = _run_target(target, ids, cache, **(attention or {}))
-    aux = torch.cat([captured[i] for i in target.aux_layer_ids], dim=-1)
-    return out.logits[0], aux[0]
+        out = _run_target(target, torch.tensor([ids]), cache, **(attention or {}))
+    return out.logits[0], target.aux_features(captured)[0]
 
 
 def _keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
@@ -202,7 +225,7 @@ def plain_generate(
         return SpecResult([], 0)
     clock, cache = _Clock(), DynamicCache()
     with clock("target"):
-        out = _run_target(target, prompt_ids, cache, last_only=True)
+        out = _run_target(target, torch.tensor([prompt_ids]), cache, last_only=True)
     tokens, forwards = [_pick(out.logits[0, -1], temperature, generator)], 1
     while True:
         result, done, stopped = _finish(tokens, max_new_tokens, stops)
@@ -210,7 +233,7 @@ def plain_generate(
             elapsed = time.perf_counter() - started
             return SpecResult(result, forwards, stopped=stopped, target_s=clock.seconds["target"], total_s=elapsed)
         with clock("target"):
-            out = _run_target(target, tokens[-1:], cache)
+            out = _run_target(target, torch.tensor([tokens[-1:]]), cache)
         tokens.append(_pick(out.logits[0, -1], temperature, generator))
         forwards += 1
 
@@ -253,19 +276,11 @@ def _draft_tree(
     def add_children(hidden: torch.Tensor, parents: list[int]) -> list[int]:
         """Children of `parents` from their hidden states [len(parents), H]; returns the new node ids."""
         with clock("draft"):
-            logits = draft.logits(hidden).float()
-        if temperature > 0:  # one child per parent, drawn from the draft: q is kept for verification
-            q_draft = torch.softmax(logits / temperature, dim=-1)
-            choice = torch.multinomial(q_draft, 1, generator=generator)
-            q = torch.zeros(len(parents), draft.config.vocab_size, device=device)
-            q[:, draft.draft_to_target(torch.arange(q_draft.shape[-1], device=device))] = q_draft
-            logp, proposals = q_draft.gather(-1, choice).log(), list(q)
-        else:  # the top_k children, deterministic proposals
-            logp, choice = torch.log_softmax(logits, dim=-1).topk(shape.top_k, dim=-1)
-            proposals = [None] * len(parents)
-        children = draft.draft_to_target(choice).tolist()
+            logits = draft.logits(hidden)
+        children, logp, q = _choose(draft, logits, shape.top_k, temperature, generator)
+        proposals = [None] * len(parents) if q is None else list(q)
         new = []
-        for parent, tokens, token_logp, proposal in zip(parents, children, logp.tolist(), proposals, strict=True):
+        for parent, tokens, token_logp, proposal in zip(parents, children.tolist(), logp.tolist(), proposals, strict=True):
             base = scores[parent] if parent >= 0 else 0.0
             depth = tree.depths[parent] + 1 if parent >= 0 else 1
             for token, child_logp in zip(tokens, token_logp, strict=True):
@@ -409,9 +424,7 @@ def speculative_generate(
                 projected = draft.project_aux(pending_aux[None].to(device, dtype))
                 root_hidden = draft(projected, ids, positions, draft_caches)[:, -1:]
             origin = first_unread + count - 1
-            most = shape.top_k + (depth - 1) * shape.top_k**2
-            round_shape = TreeShape(depth, shape.top_k, min(shape.total_tokens, most))
-            drafts = _draft_tree(draft, root_hidden, origin, draft_caches, round_shape, sample_drafts, generator, clock)
+            drafts = _draft_tree(draft, root_hidden, origin, draft_caches, shape.shortened(depth), sample_drafts, generator, clock)
             for cache in draft_caches:  # keep the step-0 keys only (positions 0..origin)
                 cache.crop(origin + 1)
 

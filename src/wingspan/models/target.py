@@ -190,6 +190,11 @@ class TargetModel:
             for handle in handles:
                 handle.remove()
 
+    def aux_features(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        """What `capture_aux` recorded, as the draft reads it: the aux layers' inputs concatenated in
+        aux_layer_ids order, [B, T, num_aux * H]."""
+        return torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+
     @torch.no_grad()  # not inference_mode: the outputs feed the draft's autograd graph
     def forward(
         self,
@@ -205,7 +210,7 @@ class TargetModel:
                 out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             else:
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+        aux = self.aux_features(captured)
         if return_last_hidden:
             return TargetOutput(aux_hidden=aux, last_hidden=out.last_hidden_state)
         return TargetOutput(aux_hidden=aux, logits=out.logits)
