@@ -38,6 +38,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{where}: expected a mapping of names to values, got {value!r}")
+        return {k: _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if annotation is Any:
+        return value
     if dataclasses.is_dataclass(annotation):
         if isinstance(value, annotation):
             return value
@@ -204,7 +210,12 @@ class TrainConfig:
     init_from_target: bool = True  # fc passes the last aux layer through; norm, lm_head from the target
     # data
     max_length: int = 1024
-    batch_tokens: int = 2048  # token budget of one micro-batch (sequences are bucketed by length)
+    batch_tokens: int = 2048  # token budget of one micro-batch
+    # Pack whole conversations back to back into rows of max_length tokens, batch_tokens // max_length rows
+    # a micro-batch: no compute spent on padding. Positions restart at each conversation and attention never
+    # crosses one, so the loss is what the conversations give one by one. False: one conversation per row,
+    # right-padded, bucketed by length.
+    pack: bool = True
     shuffle: bool = True
     # TTT
     ttt_steps: int = 7

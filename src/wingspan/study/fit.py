@@ -1,0 +1,80 @@
+"""The log-linear fit tau = a + b * ln(D), with R^2 and confidence intervals from Student's t.
+
+Ordinary least squares on x = ln(D). The intervals are the textbook ones for a straight-line fit,
+estimate +- t_{(1+c)/2, n-2} * standard error, so they need at least three depths (n - 2 >= 1 degree of
+freedom); with two the line is exact and no interval is given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class LogFit:
+    a: float  # tau at D = 1
+    b: float  # tau gained per e-fold of depth (b * ln 2 per doubling)
+    r2: float | None  # None when every tau is the same (nothing to explain)
+    n: int
+    confidence: float
+    a_interval: tuple[float, float] | None
+    b_interval: tuple[float, float] | None
+
+    def predict(self, depth: float) -> float:
+        return self.a + self.b * math.log(depth)
+
+
+def fit_log_linear(depths: list[int], taus: list[float], confidence: float = 0.95) -> LogFit:
+    """Least-squares fit of tau = a + b ln(depth) over at least two distinct depths."""
+    if len(depths) != len(taus):
+        raise ValueError(f"{len(depths)} depths but {len(taus)} taus")
+    if len(set(depths)) < 2:
+        raise ValueError(f"a fit needs at least two distinct depths, got {sorted(set(depths))}")
+    if min(depths) < 1:
+        raise ValueError(f"depths must be >= 1, got {depths}")
+    n = len(depths)
+    xs = [math.log(d) for d in depths]
+    mean_x, mean_y = sum(xs) / n, sum(taus) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, taus))
+    b = sxy / sxx
+    a = mean_y - b * mean_x
+    residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, taus))
+    total = sum((y - mean_y) ** 2 for y in taus)
+    r2 = 1 - residual / total if total > 0 else None
+    if n < 3:
+        return LogFit(a, b, r2, n, confidence, None, None)
+    variance = residual / (n - 2)
+    t = t_quantile((1 + confidence) / 2, n - 2)
+    b_half = t * math.sqrt(variance / sxx)
+    a_half = t * math.sqrt(variance * (1 / n + mean_x**2 / sxx))
+    return LogFit(a, b, r2, n, confidence, (a - a_half, a + a_half), (b - b_half, b + b_half))
+
+
+def t_cdf(x: float, df: int) -> float:
+    """P(T <= x) for Student's t with `df` degrees of freedom (Simpson's rule on the density, |error| < 1e-9)."""
+    if x < 0:
+        return 1 - t_cdf(-x, df)
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def density(u: float) -> float:
+        return scale * (1 + u * u / df) ** (-(df + 1) / 2)
+
+    intervals = 4000
+    h = x / intervals
+    inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, intervals))
+    return 0.5 + h / 3 * (density(0.0) + inner + density(x))
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The x with t_cdf(x, df) = p, for 0.5 <= p < 1 (bisection)."""
+    if not 0.5 <= p < 1:
+        raise ValueError(f"p must be in [0.5, 1), got {p}")
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
+    return (low + high) / 2

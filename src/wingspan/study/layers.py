@@ -1,0 +1,280 @@
+"""The layer-scaling study: one draft per (depth D, embedding injection) under the same data, token budget,
+schedule and seed, each evaluated with the chain and the tree decoder; then a log-linear fit and a report.
+
+Layout of the output directory (every stage skips what it finds done, so re-running continues):
+
+    study.json                     the StudyConfig (a re-run must match it, except the grid and the sets)
+    shared/vocab.safetensors       one draft vocab for every setting
+    shared/dump/                   one hidden-state dump (`wingspan dump`) every setting trains from
+    settings/<name>/run/           the training run (checkpoints, metrics.jsonl, draft/ when finished)
+    settings/<name>/eval/<decoder>/<set>.json   one SetResult per decoder and prompt set
+    results.json, report.md, tau_vs_depth.png, speedup_vs_depth.png   (wingspan.study.report)
+
+With D = 1 both injection modes are the same model (layer 0 always reads the embeddings), so the grid
+trains it once, as setting "D1", and both series start from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wingspan.config import ConfigError, TrainConfig, from_dict, read_mapping, save_json, to_dict
+from wingspan.eval.prompts import EvalPrompt, load_prompt_set
+from wingspan.eval.report import write_atomically
+from wingspan.eval.runner import EvalSettings, SetResult, evaluate
+from wingspan.models.draft import Eagle3Draft
+
+INJECTIONS = ("first", "all")
+DECODERS = ("chain", "tree")
+# Fields the study sets per setting; a shared training config must leave them to it.
+PER_SETTING_FIELDS = ("data", "from_dump", "vocab", "output_dir", "num_hidden_layers", "embed_injection",
+                      "epochs", "max_steps", "target")  # fmt: skip
+# A re-run may extend these; everything else must equal the saved study.json.
+EXTENSIBLE_FIELDS = ("layers", "injection", "sets")
+
+
+@dataclass
+class StudyConfig:
+    """Everything that defines a study; saved as study.json in its directory."""
+
+    data: list[str]  # training conversations (target-regenerated)
+    budget_tokens: int  # training tokens per setting (all tokens of the conversations seen, prompts too)
+    target: str = "smollm2-135m-instruct"
+    layers: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
+    injection: list[str] = field(default_factory=lambda: ["first", "all"])
+    sets: list[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])  # `wingspan eval --sets`
+    limit: int | None = 10  # prompts per set
+    first_turn_only: bool = True  # the reference figures are first turns
+    num_draft_tokens: int = 3  # the chain decoder
+    tree: list[int] = field(default_factory=lambda: [4, 4, 16])  # the tree decoder: depth, top-k, total tokens
+    max_new_tokens: int = 256
+    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields shared by every setting
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ConfigError("data: at least one conversation file is needed")
+        if self.budget_tokens < 1:
+            raise ConfigError(f"budget_tokens: must be >= 1, got {self.budget_tokens}")
+        if not self.layers or min(self.layers) < 1 or len(set(self.layers)) != len(self.layers):
+            raise ConfigError(f"layers: distinct depths >= 1 expected, got {self.layers}")
+        if not self.injection or not set(self.injection) <= set(INJECTIONS) or len(set(self.injection)) != len(self.injection):
+            raise ConfigError(f"injection: distinct values among {list(INJECTIONS)} expected, got {self.injection}")
+        if not self.sets:
+            raise ConfigError("sets: at least one prompt set is needed")
+        if len(self.tree) != 3:
+            raise ConfigError(f"tree: expected [depth, top_k, total_tokens], got {self.tree}")
+        taken = sorted(set(self.train) & set(PER_SETTING_FIELDS))
+        if taken:
+            raise ConfigError(f"train: {taken} are set by the study itself for each setting; remove them")
+        self.base_train_config()  # unknown or invalid training fields fail here, before anything runs
+        for decoder in DECODERS:
+            self.eval_settings(decoder)
+
+    def base_train_config(self) -> TrainConfig:
+        return from_dict(TrainConfig, {"target": self.target, "data": self.data, **self.train}, where="train")
+
+    def eval_settings(self, decoder: str) -> EvalSettings:
+        tree = dict(zip(("tree_depth", "tree_top_k", "tree_total_tokens"), self.tree)) if decoder == "tree" else {}
+        try:
+            return EvalSettings(num_draft_tokens=self.num_draft_tokens, max_new_tokens=self.max_new_tokens,
+                                limit=self.limit, **tree)  # fmt: skip
+        except ConfigError as error:
+            raise ConfigError(f"{decoder} decoder: {error}") from None
+
+    def settings(self) -> list[Setting]:
+        grid = []
+        for depth in sorted(self.layers):
+            if depth == 1:
+                grid.append(Setting("D1", 1, "first"))
+                continue
+            grid += [Setting(f"D{depth}-{mode}", depth, mode) for mode in self.injection]
+        return grid
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    layers: int
+    injection: str
+
+    def in_series(self, injection: str) -> bool:
+        return self.injection == injection or self.layers == 1
+
+
+def open_study(config: StudyConfig, out: Path) -> StudyConfig:
+    """Save `config` in a new study directory, or check it against the one already there."""
+    path = out / "study.json"
+    if path.exists():
+        saved = read_mapping(path)
+        current = to_dict(config)
+        for name, value in current.items():
+            if name not in EXTENSIBLE_FIELDS and saved.get(name) != value:
+                raise ConfigError(f"{path}: this study was started with {name}={saved.get(name)!r}, now "
+                                  f"{value!r}; use another output directory for a different study")  # fmt: skip
+    save_json(config, path)
+    return config
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+def prepare_shared(config: StudyConfig, out: Path, target):
+    """The draft vocab and the hidden-state dump every setting trains from (each made once, resumably)."""
+    from wingspan.data.hidden_states import dump_identity, write_dump
+    from wingspan.data.vocab import DraftVocab
+    from wingspan.pipeline import build_vocab, tokenized_dataset
+
+    base = config.base_train_config()
+    records = tokenized_dataset(base.data, target.tokenizer, base.max_length)
+    vocab_path = out / "shared" / "vocab.safetensors"
+    if vocab_path.exists():
+        vocab = DraftVocab.load(vocab_path)
+        print(f"draft vocab: {vocab_path} ({vocab.draft_vocab_size} tokens, {vocab.coverage:.1%} coverage)")
+    else:
+        build_vocab(target, records, base.draft_vocab_size, vocab_path)
+    dump_dir = out / "shared" / "dump"
+    manifest = write_dump(target, records, dump_identity(base, target), dump_dir, batch_tokens=base.batch_tokens,
+                          resume=True)  # fmt: skip
+    return vocab_path, dump_dir, manifest.num_tokens
+
+
+def setting_train_config(config: StudyConfig, setting: Setting, out: Path, vocab_path: Path, dump_dir: Path,
+                         dump_tokens: int) -> TrainConfig:  # fmt: skip
+    """The shared training config with this setting's depth and injection; the budget becomes epochs of the
+    dump, so every setting sees the same tokens in the same order."""
+    fields = {**to_dict(config.base_train_config()), "from_dump": str(dump_dir), "vocab": str(vocab_path),
+              "output_dir": str(setting_dir(out, setting) / "run"), "num_hidden_layers": setting.layers,
+              "embed_injection": setting.injection, "epochs": config.budget_tokens / dump_tokens}  # fmt: skip
+    return from_dict(TrainConfig, fields, where=setting.name)
+
+
+def setting_dir(out: Path, setting: Setting) -> Path:
+    return out / "settings" / setting.name
+
+
+def train_setting(config: TrainConfig, target) -> Path:
+    """Train (or resume, or skip when finished) one setting; returns its final draft directory."""
+    from wingspan.pipeline import run_training
+
+    run_dir = Path(config.output_dir)
+    final = run_dir / "draft"
+    if (final / "draft_config.json").exists():
+        return final
+    return run_training(config, resume=(run_dir / "checkpoints").exists(), target=target)
+
+
+def evaluate_setting(config: StudyConfig, setting: Setting, draft_dir: Path, target, prompt_sets: dict[str, list[EvalPrompt]],
+                     out: Path) -> None:  # fmt: skip
+    """Every decoder on every prompt set; a (decoder, set) with a result on disk is not measured again."""
+    draft = None
+    for decoder in DECODERS:
+        settings = config.eval_settings(decoder)
+        for name, prompts in prompt_sets.items():
+            path = setting_dir(out, setting) / "eval" / decoder / f"{name}.json"
+            if path.exists():
+                continue
+            if draft is None:
+                draft = Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()).to(target.device, target.dtype).eval()
+            print(f"[{setting.name}] {decoder} on {name}")
+            result = evaluate(target, draft, prompts, settings, name=f"{setting.name} {decoder} {name}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, json.dumps({"settings": to_dict(settings), "result": to_dict(result)}, indent=1) + "\n")
+
+
+def load_prompt_sets(config: StudyConfig) -> dict[str, list[EvalPrompt]]:
+    prompt_sets: dict[str, list[EvalPrompt]] = {}
+    for spec in config.sets:
+        name, prompts = load_prompt_set(spec, config.limit)
+        if name in prompt_sets:
+            raise ConfigError(f"sets: two sets are named {name!r}; name them apart, e.g. a=PATH,b=PATH")
+        if config.first_turn_only:
+            prompts = [dataclasses.replace(p, turns=p.turns[:1]) for p in prompts]
+        prompt_sets[name] = prompts
+    return prompt_sets
+
+
+# ------------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class SettingResult:
+    """One setting's row of the study: its training outcome and every decoder's result per prompt set."""
+
+    name: str
+    layers: int
+    injection: str
+    parameters: int  # trained parameters (the frozen target embeddings not counted)
+    train_tokens_per_s: float  # mean over the logged windows (non-pad tokens)
+    train_final: dict[str, float]  # the last logged metrics: loss_j, acc_j, sim_accept_len
+    # decoder -> set -> SetResult fields without the per-prompt rows
+    eval: dict[str, dict[str, dict[str, Any]]]
+    # decoder -> draft seconds per drafted token / target seconds per plain-decoded token, over all sets
+    draft_cost: dict[str, float | None]
+
+
+def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[SettingResult]:
+    rows = []
+    for setting in config.settings():
+        directory = setting_dir(out, setting)
+        final = directory / "run" / "draft"
+        if not (final / "draft_config.json").exists():
+            continue
+        draft = Eagle3Draft.load(final)
+        parameters = sum(p.numel() for name, p in draft.named_parameters() if not name.startswith("embed_tokens"))
+        metrics = [json.loads(line) for line in (directory / "run" / "metrics.jsonl").read_text().splitlines()]
+        evals: dict[str, dict[str, dict[str, Any]]] = {}
+        cost: dict[str, float | None] = {}
+        for decoder in DECODERS:
+            results = {}
+            for name in prompt_sets:
+                path = directory / "eval" / decoder / f"{name}.json"
+                if path.exists():
+                    results[name] = json.loads(path.read_text())["result"]
+            evals[decoder] = {name: {k: v for k, v in r.items() if k != "prompts"} for name, r in results.items()}
+            cost[decoder] = draft_cost(list(results.values()))
+        rows.append(SettingResult(setting.name, setting.layers, setting.injection, parameters,
+                                  sum(m["tokens_per_s"] for m in metrics) / len(metrics), metrics[-1], evals, cost))  # fmt: skip
+    return rows
+
+
+def draft_cost(results: list[dict[str, Any]]) -> float | None:
+    """Seconds per drafted token over seconds per token of plain decoding: what one draft step costs in
+    target forwards, as the decoders ran them (prefill included on the plain side, a small share)."""
+    prompts = [p for r in results for p in r["prompts"]]
+    drafted = sum(sum(p["drafted_per_round"]) for p in prompts)
+    greedy_tokens = sum(p["greedy_new_tokens"] for p in prompts)
+    greedy_s = sum(p["greedy_s"] for p in prompts)
+    if not drafted or not greedy_tokens or not greedy_s:
+        return None
+    return (sum(p["spec_draft_s"] for p in prompts) / drafted) / (greedy_s / greedy_tokens)
+
+
+def run_study(config: StudyConfig, out: Path, threads: int | None = None) -> Path:
+    """Every stage in order; returns the report's path. Re-running continues where it stopped."""
+    from wingspan.pipeline import load_target
+    from wingspan.study.report import write_study_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    open_study(config, out)
+    prompt_sets = load_prompt_sets(config)  # a bad set fails now, not after hours of training
+    base = config.base_train_config()
+    if threads:
+        torch.set_num_threads(threads)
+    target = load_target(base)
+    vocab_path, dump_dir, dump_tokens = prepare_shared(config, out, target)
+    print(f"budget: {config.budget_tokens:,} tokens per setting = {config.budget_tokens / dump_tokens:.2f} epochs of "
+          f"{dump_tokens:,} dumped tokens")  # fmt: skip
+    grid = config.settings()
+    for index, setting in enumerate(grid, start=1):
+        print(f"[{index}/{len(grid)}] {setting.name}: {setting.layers} layer(s), embeddings into {setting.injection}")
+        draft_dir = train_setting(setting_train_config(config, setting, out, vocab_path, dump_dir, dump_tokens), target)
+        evaluate_setting(config, setting, draft_dir, target, prompt_sets, out)
+        write_study_report(config, out, collect(config, out, list(prompt_sets)))
+    return out / "report.md"
+

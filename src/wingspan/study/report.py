@@ -1,0 +1,255 @@
+"""The study's results: results.json (every figure), report.md (tables, fits, what they say) and two plots.
+
+Across prompt sets, tau is pooled as the evaluation pools it within a set (all tokens over all rounds), and
+the speedup as all speculative tokens/s over all plain tokens/s. Rewritten after every setting, so a long
+study shows what it has measured so far.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from wingspan.config import to_dict
+from wingspan.eval import import_optional
+from wingspan.eval.report import write_atomically
+from wingspan.study.fit import LogFit, fit_log_linear
+from wingspan.study.layers import DECODERS, SettingResult, StudyConfig
+
+POOLED = "all sets"
+
+
+@dataclass
+class FitRow:
+    decoder: str
+    injection: str
+    prompt_set: str
+    depths: list[int]
+    taus: list[float]
+    fit: LogFit
+
+
+def pooled_tau(sets: dict[str, dict[str, Any]]) -> float | None:
+    rounds = sum(r["rounds"] for r in sets.values() if r["acceptance_length"] is not None)
+    if not rounds:
+        return None
+    return sum(r["acceptance_length"] * r["rounds"] for r in sets.values() if r["acceptance_length"] is not None) / rounds
+
+
+def pooled_speedup(sets: dict[str, dict[str, Any]]) -> float | None:
+    if not sets or any(r["spec_tokens_per_s"] is None or r["greedy_tokens_per_s"] is None for r in sets.values()):
+        return None
+    spec_s = sum(r["new_tokens"] / r["spec_tokens_per_s"] for r in sets.values())
+    greedy_s = sum(r["greedy_new_tokens"] / r["greedy_tokens_per_s"] for r in sets.values())
+    return (sum(r["new_tokens"] for r in sets.values()) / spec_s) / (sum(r["greedy_new_tokens"] for r in sets.values()) / greedy_s)
+
+
+def tau_of(row: SettingResult, decoder: str, prompt_set: str) -> float | None:
+    sets = row.eval.get(decoder, {})
+    if prompt_set == POOLED:
+        return pooled_tau(sets)
+    return sets[prompt_set]["acceptance_length"] if prompt_set in sets else None
+
+
+def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -> list[FitRow]:
+    """tau = a + b ln D per decoder, injection series and prompt set (and pooled), where two depths or more exist."""
+    out = []
+    for decoder in DECODERS:
+        for injection in config.injection:
+            for prompt_set in [*set_names, POOLED]:
+                points = [(r.layers, tau_of(r, decoder, prompt_set)) for r in rows
+                          if r.injection == injection or r.layers == 1]  # fmt: skip
+                points = [(d, t) for d, t in points if t is not None]
+                if len({d for d, _ in points}) < 2:
+                    continue
+                depths, taus = [d for d, _ in points], [t for _, t in points]
+                out.append(FitRow(decoder, injection, prompt_set, depths, taus, fit_log_linear(depths, taus)))
+    return out
+
+
+def write_study_report(config: StudyConfig, out: Path, rows: list[SettingResult]) -> None:
+    set_names = list(dict.fromkeys(name for r in rows for d in r.eval.values() for name in d))
+    fit_rows = fits(config, rows, set_names)
+    results = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": to_dict(config),
+        "settings": [to_dict(r) for r in rows],
+        "fits": [to_dict(f) for f in fit_rows],
+    }
+    write_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
+    write_atomically(out / "report.md", markdown(config, rows, set_names, fit_rows))
+    plot(config, rows, fit_rows, out)
+
+
+# ------------------------------------------------------------------------------------------------ markdown
+
+
+def fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str], fit_rows: list[FitRow]) -> str:
+    tree = "tree (depth {}, top-k {}, {} tokens)".format(*config.tree)
+    lines = [
+        "# Layer-scaling study",
+        "",
+        f"- target: `{config.target}`; training data: {', '.join(f'`{d}`' for d in config.data)}",
+        f"- budget: {config.budget_tokens:,} training tokens per setting; shared training fields: "
+        + (", ".join(f"`{k}={v}`" for k, v in config.train.items()) or "defaults"),
+        f"- evaluation: sets {', '.join(config.sets)}, {config.limit or 'all'} prompts each"
+        + (" (first turns)" if config.first_turn_only else "")
+        + f", greedy, up to {config.max_new_tokens} new tokens; chain of {config.num_draft_tokens} drafts and {tree}",
+        "- tau = tokens per target forward (accepted drafts + the bonus token); speedup = speculative tokens/s over "
+        "plain greedy tokens/s, measured side by side; draft cost = seconds per drafted token over seconds per "
+        "plain-decoded token",
+        "",
+    ]
+    for decoder in DECODERS:
+        title = f"chain of {config.num_draft_tokens}" if decoder == "chain" else tree
+        lines += [f"## Acceptance length and speedup: {title}", ""]
+        header = ["setting", "D", "injection", "parameters", "draft cost", *set_names, POOLED, "speedup"]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for r in rows:
+            sets = r.eval.get(decoder, {})
+            cells = [r.name, str(r.layers), "both" if r.layers == 1 else r.injection, f"{r.parameters / 1e6:.1f} M",
+                     fmt(r.draft_cost.get(decoder), 3), *(fmt(tau_of(r, decoder, s)) for s in set_names),
+                     fmt(pooled_tau(sets)), fmt(pooled_speedup(sets), 2, "x")]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Acceptance per draft position (chain, pooled over sets)", "",
+              "| setting | " + " | ".join(f"position {j}" for j in range(config.num_draft_tokens)) + " |",
+              "|---|" + "---|" * config.num_draft_tokens]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r.name} | " + " | ".join(fmt(v, 3) for v in pooled_positions(r, config.num_draft_tokens)) + " |")
+    lines += ["", "## Fit: tau = a + b ln D", "",
+              "| decoder | injection | set | depths | a | b (95% CI) | gain per doubling | R^2 |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for f in fit_rows:
+        interval = f" [{f.fit.b_interval[0]:.3f}, {f.fit.b_interval[1]:.3f}]" if f.fit.b_interval else ""
+        lines.append(f"| {f.decoder} | {f.injection} | {f.prompt_set} | {','.join(map(str, f.depths))} | {f.fit.a:.3f} | "
+                     f"{f.fit.b:.3f}{interval} | {f.fit.b * math.log(2):+.3f} | {fmt(f.fit.r2, 3)} |")  # fmt: skip
+    lines += ["", "## What the fits say (pooled over sets)", ""]
+    lines += [verdict(f) for f in fit_rows if f.prompt_set == POOLED]
+    lines += injection_verdicts(rows)
+    lines += ["", "## Training", "", "| setting | final loss_0 | " + " | ".join(f"acc_{j}" for j in range(steps(rows))) +
+              " | simulated tau | train tok/s |", "|---|---|" + "---|" * (steps(rows) + 2)]  # fmt: skip
+    for r in rows:
+        accs = " | ".join(fmt(r.train_final.get(f"acc_{j}"), 3) for j in range(steps(rows)))
+        lines.append(f"| {r.name} | {fmt(r.train_final.get('loss_0'), 3)} | {accs} | "
+                     f"{fmt(r.train_final.get('sim_accept_len'))} | {fmt(r.train_tokens_per_s, 0)} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def steps(rows: list[SettingResult]) -> int:
+    return max((sum(k.startswith("acc_") for k in r.train_final) for r in rows), default=0)
+
+
+def pooled_positions(row: SettingResult, positions: int) -> list[float | None]:
+    """Acceptance per chain position, pooled over sets by the rounds that proposed it."""
+    sets = row.eval.get("chain", {}).values()
+    rates = []
+    for j in range(positions):
+        weighted = [(s["acceptance_per_position"][j], s["rounds"]) for s in sets if len(s["acceptance_per_position"]) > j]
+        total = sum(n for _, n in weighted)
+        rates.append(sum(rate * n for rate, n in weighted) / total if total else None)
+    return rates
+
+
+def verdict(f: FitRow) -> str:
+    """A plain reading of one fit: is tau rising with ln D, and is the straight line a good description?"""
+    head = f"- {f.decoder}, embeddings into {f.injection}, D in {{{', '.join(map(str, f.depths))}}}: "
+    if f.fit.b_interval is None:
+        return head + f"b = {f.fit.b:.3f} from two depths only: no interval, no test of the shape."
+    low, high = f.fit.b_interval
+    if low > 0:
+        rise = f"tau rises with depth (b = {f.fit.b:.3f}, 95% CI [{low:.3f}, {high:.3f}] excludes 0)"
+    elif high < 0:
+        rise = f"tau falls with depth (b = {f.fit.b:.3f}, 95% CI [{low:.3f}, {high:.3f}])"
+    else:
+        rise = f"no significant trend (b = {f.fit.b:.3f}, 95% CI [{low:.3f}, {high:.3f}] contains 0)"
+    if f.fit.r2 is None:
+        return head + rise + "; tau is the same at every depth."
+    shape = ", the log-linear form fits well" if f.fit.r2 >= 0.8 else ", a poor log-linear fit"
+    return head + rise + f"; R^2 = {f.fit.r2:.2f}{shape}."
+
+
+def injection_verdicts(rows: list[SettingResult]) -> list[str]:
+    """first vs all at each depth where both exist: the pooled chain tau difference."""
+    by_key = {(r.layers, r.injection): r for r in rows}
+    lines = []
+    for depth in sorted({r.layers for r in rows if r.layers > 1}):
+        first, every = by_key.get((depth, "first")), by_key.get((depth, "all"))
+        if not first or not every:
+            continue
+        a, b = pooled_tau(first.eval.get("chain", {})), pooled_tau(every.eval.get("chain", {}))
+        if a is None or b is None:
+            continue
+        lines.append(f"- D = {depth}: chain tau {a:.3f} with embeddings into the first layer, {b:.3f} into all "
+                     f"({'first' if a > b else 'all'} ahead by {abs(a - b):.3f})")  # fmt: skip
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ plots
+
+
+def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow], out: Path) -> None:
+    matplotlib = import_optional("matplotlib", "matplotlib", "the study's plots")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"first": ("tab:blue", "o"), "all": ("tab:orange", "s")}
+    figure, axes = plt.subplots(1, len(DECODERS), figsize=(11, 4.2), sharey=True)
+    for axis, decoder in zip(axes, DECODERS):
+        for injection in config.injection:
+            colour, marker = styles[injection]
+            series = sorted((r.layers, tau_of(r, decoder, POOLED)) for r in rows if r.layers == 1 or r.injection == injection)
+            series = [(d, t) for d, t in series if t is not None]
+            if not series:
+                continue
+            axis.plot(*zip(*series), marker=marker, color=colour, linestyle="none", label=f"embeddings into {injection}")
+            for f in fit_rows:
+                if (f.decoder, f.injection, f.prompt_set) == (decoder, injection, POOLED):
+                    grid = [1 + i * (max(f.depths) - 1) / 50 for i in range(51)]
+                    axis.plot(grid, [f.fit.predict(d) for d in grid], color=colour, linestyle="--", linewidth=1,
+                              label=f"fit {f.fit.a:.2f} + {f.fit.b:.3f} ln D (R² {fmt(f.fit.r2)})")  # fmt: skip
+        axis.set_xscale("log")
+        depths = sorted({r.layers for r in rows}) or [1]
+        axis.set_xticks(depths, [str(d) for d in depths])
+        axis.minorticks_off()
+        axis.set_xlabel("draft decoder layers D (log scale)")
+        axis.set_title(f"{decoder}: tau pooled over {', '.join(config.sets)}", fontsize=9)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    axes[0].set_ylabel("acceptance length tau")
+    figure.tight_layout()
+    save_figure(figure, out / "tau_vs_depth.png")
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(6.5, 4.2))
+    for decoder, linestyle in zip(DECODERS, ("-", ":")):
+        for injection in config.injection:
+            colour, marker = styles[injection]
+            series = sorted((r.layers, pooled_speedup(r.eval.get(decoder, {}))) for r in rows
+                            if r.layers == 1 or r.injection == injection)  # fmt: skip
+            series = [(d, s) for d, s in series if s is not None]
+            if series:
+                axis.plot(*zip(*series), marker=marker, color=colour, linestyle=linestyle, label=f"{decoder}, {injection}")
+    axis.axhline(1.0, color="grey", linewidth=1)
+    axis.set_xlabel("draft decoder layers D")
+    axis.set_ylabel("speedup over plain decoding")
+    axis.set_title("end-to-end speedup (batch 1, this machine)", fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    save_figure(figure, out / "speedup_vs_depth.png")
+    plt.close(figure)
+
+
+def save_figure(figure, path: Path) -> None:
+    tmp = path.with_name(path.stem + ".tmp.png")
+    figure.savefig(tmp, dpi=120)
+    tmp.replace(path)

@@ -1,0 +1,187 @@
+"""The layer-scaling study: the log-linear fit, the config checks, and a whole tiny study that resumes."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wingspan.config import ConfigError
+from wingspan.study import layers as study_layers
+from wingspan.study.fit import fit_log_linear, t_cdf, t_quantile
+from wingspan.study.layers import StudyConfig, open_study, run_study
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------------------------------------ fit
+
+
+@pytest.mark.parametrize(("df", "quantile"), [(1, 12.7062), (3, 3.1824), (4, 2.7764), (10, 2.2281), (30, 2.0423)])
+def test_t_quantile_matches_the_table(df, quantile):
+    assert t_quantile(0.975, df) == pytest.approx(quantile, abs=2e-4)
+    assert t_cdf(quantile, df) == pytest.approx(0.975, abs=1e-5)
+
+
+def test_fit_recovers_an_exact_log_line():
+    depths = [1, 2, 3, 4, 6]
+    fit = fit_log_linear(depths, [1.3 + 0.2 * math.log(d) for d in depths])
+    assert (fit.a, fit.b, fit.r2) == (pytest.approx(1.3), pytest.approx(0.2), pytest.approx(1.0))
+    assert fit.b_interval == (pytest.approx(0.2), pytest.approx(0.2))
+    assert fit.predict(8) == pytest.approx(1.3 + 0.2 * math.log(8))
+
+
+def test_fit_interval_is_the_textbook_one():
+    # Worked by hand: x = ln D; b = Sxy / Sxx; s^2 = SSE / (n - 2); half-width t_{0.975, 3} * sqrt(s^2 / Sxx).
+    depths, taus = [1, 2, 3, 4, 6], [1.30, 1.45, 1.44, 1.55, 1.57]
+    xs = [math.log(d) for d in depths]
+    mx, my = sum(xs) / 5, sum(taus) / 5
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, taus)) / sxx
+    sse = sum((y - (my - b * mx) - b * x) ** 2 for x, y in zip(xs, taus))
+    half = 3.182446 * math.sqrt(sse / 3 / sxx)
+    fit = fit_log_linear(depths, taus)
+    assert fit.b == pytest.approx(b)
+    assert fit.b_interval == (pytest.approx(b - half, abs=1e-5), pytest.approx(b + half, abs=1e-5))
+    assert fit.r2 == pytest.approx(1 - sse / sum((y - my) ** 2 for y in taus))
+    assert 0 < fit.r2 < 1
+
+
+def test_fit_needs_two_depths_and_gives_no_interval_for_two():
+    with pytest.raises(ValueError, match="two distinct depths"):
+        fit_log_linear([2, 2], [1.2, 1.3])
+    fit = fit_log_linear([1, 4], [1.2, 1.5])
+    assert fit.b_interval is None and fit.b == pytest.approx(0.3 / math.log(4))
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def test_config_errors_name_the_field(tmp_path):
+    good = dict(data=["a.jsonl"], budget_tokens=1000)
+    with pytest.raises(ConfigError, match="layers"):
+        StudyConfig(**good, layers=[0, 2])
+    with pytest.raises(ConfigError, match="injection"):
+        StudyConfig(**good, injection=["middle"])
+    with pytest.raises(ConfigError, match=r"num_hidden_layers.*set by the study"):
+        StudyConfig(**good, train={"num_hidden_layers": 3})
+    with pytest.raises(ConfigError, match="unknown field.*ttt_stepz"):
+        StudyConfig(**good, train={"ttt_stepz": 3})
+    with pytest.raises(ConfigError, match="tree"):
+        StudyConfig(**good, tree=[2, 4, 64])  # 64 nodes cannot fit a depth-2, top-4 tree
+
+
+def test_a_study_directory_refuses_a_different_study_but_grows(tmp_path):
+    config = StudyConfig(data=["a.jsonl"], budget_tokens=1000, layers=[1, 2])
+    open_study(config, tmp_path)
+    open_study(StudyConfig(data=["a.jsonl"], budget_tokens=1000, layers=[1, 2, 3], sets=["gsm8k"]), tmp_path)
+    with pytest.raises(ConfigError, match="budget_tokens=1000"):
+        open_study(StudyConfig(data=["a.jsonl"], budget_tokens=2000), tmp_path)
+    with pytest.raises(ConfigError, match="train="):
+        open_study(StudyConfig(data=["a.jsonl"], budget_tokens=1000, train={"lr": 0.1}), tmp_path)
+
+
+def test_grid_trains_depth_one_once():
+    config = StudyConfig(data=["a.jsonl"], budget_tokens=1000, layers=[3, 1, 2], injection=["first", "all"])
+    assert [s.name for s in config.settings()] == ["D1", "D2-first", "D2-all", "D3-first", "D3-all"]
+    assert all(s.in_series("all") for s in config.settings() if s.name in ("D1", "D2-all", "D3-all"))
+
+
+# ------------------------------------------------------------------------------------------------ a whole study
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tiny_llama_dir, counting_chat, tmp_path_factory):
+    """A 3-setting study (D = 1, 2 with both injections) on the tiny target, run once for the module."""
+    out = tmp_path_factory.mktemp("study")
+    prompts = out / "prompts.txt"
+    prompts.write_text("Count from 3 to 9, please.\nCount from 10 to 14, please.\n")
+    config = StudyConfig(
+        target=str(tiny_llama_dir), data=[str(counting_chat(16, spread=4))], budget_tokens=1500, layers=[1, 2],
+        injection=["first", "all"], sets=[f"counting={prompts}"], limit=2, tree=[2, 2, 4], max_new_tokens=8,
+        train=dict(target_dtype="float32", draft_vocab_size=64, max_length=64, batch_tokens=256, ttt_steps=2,
+                   lr=1e-3, log_every=1, save_every=2),
+    )  # fmt: skip
+    run_study(config, out)
+    return config, out
+
+
+def test_every_setting_trains_on_the_same_budget_and_is_evaluated(tiny_study):
+    config, out = tiny_study
+    results = json.loads((out / "results.json").read_text())
+    assert [s["name"] for s in results["settings"]] == ["D1", "D2-first", "D2-all"]
+    dump_tokens = json.loads((out / "shared/dump/manifest.json").read_text())
+    dump_tokens = sum(s["num_tokens"] for s in dump_tokens["shards"])
+    runs = {s["name"]: json.loads((out / "settings" / s["name"] / "run/config.json").read_text()) for s in results["settings"]}
+    assert {r["epochs"] for r in runs.values()} == {1500 / dump_tokens}
+    assert {r["from_dump"] for r in runs.values()} == {str(out / "shared/dump")}
+    assert [(r["num_hidden_layers"], r["embed_injection"]) for r in runs.values()] == [(1, "first"), (2, "first"), (2, "all")]
+    steps = {name: [json.loads(l)["step"] for l in (out / "settings" / name / "run/metrics.jsonl").read_text().splitlines()][-1]
+             for name in runs}  # fmt: skip
+    assert len(set(steps.values())) == 1  # same schedule
+
+    by_name = {s["name"]: s for s in results["settings"]}
+    assert by_name["D2-all"]["parameters"] > by_name["D2-first"]["parameters"] > by_name["D1"]["parameters"]
+    for setting in results["settings"]:
+        for decoder in ("chain", "tree"):
+            counting = setting["eval"][decoder]["counting"]
+            assert counting["num_prompts"] == 2 and counting["outputs_differing"] == 0
+            assert counting["acceptance_length"] >= 1
+            assert setting["draft_cost"][decoder] > 0
+        assert len(setting["eval"]["chain"]["counting"]["acceptance_per_position"]) == 3
+    # Two depths per series: each (decoder, injection, set) has a fit through them, without an interval.
+    keys = {(f["decoder"], f["injection"], f["prompt_set"]) for f in results["fits"]}
+    assert keys == {(d, i, s) for d in ("chain", "tree") for i in ("first", "all") for s in ("counting", "all sets")}
+    d1, d2 = by_name["D1"]["eval"]["chain"]["counting"], by_name["D2-all"]["eval"]["chain"]["counting"]
+    fit = next(f for f in results["fits"] if (f["decoder"], f["injection"], f["prompt_set"]) == ("chain", "all", "counting"))
+    assert fit["fit"]["b"] == pytest.approx((d2["acceptance_length"] - d1["acceptance_length"]) / math.log(2))
+
+    report = (out / "report.md").read_text()
+    assert "| D2-all | 2 | all |" in report and "## Fit: tau = a + b ln D" in report
+    for png in ("tau_vs_depth.png", "speedup_vs_depth.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rerun_retrains_and_reevaluates_nothing_and_extends_the_grid(tiny_study, monkeypatch):
+    config, out = tiny_study
+    trained, evaluated = [], []
+    real_train, real_evaluate = study_layers.train_setting, study_layers.evaluate
+
+    def spy_train(train_config, target):
+        trained.append(train_config.output_dir)
+        return real_train(train_config, target)
+
+    def spy_evaluate(*args, **kwargs):
+        evaluated.append(kwargs["name"])
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(study_layers, "train_setting", spy_train)
+    monkeypatch.setattr(study_layers, "evaluate", spy_evaluate)
+    monkeypatch.setattr("wingspan.pipeline.run_training", lambda *a, **k: pytest.fail("a finished setting was retrained"))
+    run_study(config, out)
+    assert len(trained) == 3 and evaluated == []
+
+    monkeypatch.undo()
+    monkeypatch.setattr(study_layers, "evaluate", spy_evaluate)
+    grown = StudyConfig(**{**config.__dict__, "layers": [1, 2, 3], "injection": ["first", "all"]})
+    run_study(grown, out)
+    assert evaluated == [f"D3-{mode} {decoder} counting" for mode in ("first", "all") for decoder in ("chain", "tree")]
+    results = json.loads((out / "results.json").read_text())
+    assert [s["name"] for s in results["settings"]] == ["D1", "D2-first", "D2-all", "D3-first", "D3-all"]
+    assert all(f["fit"]["b_interval"] is not None for f in results["fits"])  # three depths: intervals now
+
+
+def test_cli_runs_a_study_and_reports_bad_options(tmp_path, tiny_study):
+    config, _ = tiny_study
+    command = [sys.executable, "-m", "wingspan", "study", "layers", "--data", config.data[0], "--budget-tokens", "600",
+               "--out", str(tmp_path / "s"), "--target", config.target, "--layers", "1", "--injection", "first",
+               "--sets", config.sets[0], "--limit", "1", "--tree", "2,2,4", "--max-new-tokens", "4", "--threads", "1",
+               *(f"{k}={v}" for k, v in config.train.items())]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "report:" in done.stdout and (tmp_path / "s/report.md").exists()
+    bad = subprocess.run([*command[:-len(config.train)], "num_hidden_layers=3"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "set by the study itself" in bad.stderr and "Traceback" not in bad.stderr
+    assert subprocess.run([sys.executable, "-m", "wingspan", "study", "layers", "--help"], capture_output=True).returncode == 0
