@@ -10,9 +10,9 @@ import torch
 from wingspan.config import ConfigError, TrainConfig, from_dict, read_mapping, to_dict
 from wingspan.data.conversations import DataError
 from wingspan.data.template import TokenizedConversation
+from wingspan.data.batching import collate
 from wingspan.data.hidden_states import (
     MANIFEST,
-    DumpFeatures,
     DumpIdentity,
     DumpManifest,
     DumpMismatchError,
@@ -23,7 +23,7 @@ from wingspan.data.hidden_states import (
 )
 from wingspan.models.target import TargetModel
 from wingspan.pipeline import run_training, tokenized_dataset
-from wingspan.train.features import OnlineFeatures, collate
+from wingspan.train.features import DumpFeatures, OnlineFeatures
 from wingspan.train.trainer import build_draft
 from wingspan.train.ttt import ttt_forward
 
@@ -95,9 +95,9 @@ def test_stored_features_are_the_targets_in_bf16(dumped, target):
     loaded = HiddenStateDump(directory)
     for index in (0, 5, len(loaded.records) - 1):
         ids = torch.tensor([loaded.records[index].input_ids])
-        aux, last, argmax = loaded.features([index], ids.shape[1])
+        aux, last, argmax = loaded.features([[index]], ids.shape[1])
         out = target.forward(ids)
-        # bf16 storage: relative error 2^-9, and the dump's padded batches may differ from this lone forward
+        # bf16 storage: relative error 2^-9, and the dump's packed rows may differ from this lone forward
         # by float32 rounding before that.
         torch.testing.assert_close(aux.float(), out.aux_hidden, rtol=2**-8, atol=1e-5)
         torch.testing.assert_close(last.float(), target.forward(ids, return_last_hidden=True).last_hidden, rtol=2**-8, atol=1e-5)
@@ -158,7 +158,8 @@ def test_resume_refuses_a_dump_of_other_settings(dumped, target, tiny_llama_dir,
         dump(TrainConfig(**{**to_dict(config), "max_length": 128}), target, copy, resume=True)
 
 
-def test_offline_loss_equals_online_loss(dumped, target):
+@pytest.mark.parametrize("rows", [[[3], [0], [7]], [[3, 0, 7], [1, 5]]], ids=["padded", "packed"])
+def test_offline_loss_equals_online_loss(dumped, target, rows):
     """The TTT loss of a micro-batch from the dump equals the one from running the target, up to the bf16
     storage of the features: under 1e-3 relative (3e-5 measured; aux features one token off give 1e-2)."""
     config, directory = dumped
@@ -168,9 +169,9 @@ def test_offline_loss_equals_online_loss(dumped, target):
     t2d[torch.arange(64) * 7] = True
     torch.manual_seed(0)
     draft = build_draft(target, config, d2t, t2d)
-    micro = collate(loaded.records, [3, 0, 7], pad_id=2)
+    micro = collate(loaded.records, rows, pad_id=2)
     online, offline = OnlineFeatures(target, d2t)(micro), DumpFeatures(loaded, target, d2t)(micro)
-    assert offline.target_logits.shape == online.target_logits.shape == (3, micro.input_ids.shape[1], 64)
+    assert offline.target_logits.shape == online.target_logits.shape == (len(rows), micro.input_ids.shape[1], 64)
     real = micro.attention_mask.bool()
     torch.testing.assert_close(offline.target_logits[real], online.target_logits[real], rtol=1e-2, atol=1e-2)
     assert torch.equal(offline.target_argmax[real], online.target_argmax[real])

@@ -134,8 +134,9 @@ def replayed_acceptance(target, draft, prompt, output, k):
     with the same shortening of the last rounds): equal only if the draft is fed as training feeds it."""
     ids = torch.tensor([prompt + output])
     aux = target.forward(ids).aux_hidden
+    positions = torch.arange(ids.shape[1])[None]  # one conversation
     with torch.no_grad():
-        chains = [draft.draft_to_target(draft.logits(h).argmax(-1))[0] for h in unroll(draft, aux, ids, k)]
+        chains = [draft.draft_to_target(draft.logits(h).argmax(-1))[0] for h in unroll(draft, aux, ids, positions, k)]
     rounds, origin, produced = [], len(prompt) - 1, 1
     while produced < len(output):
         steps = min(k, len(output) - produced - 1)

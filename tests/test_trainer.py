@@ -9,12 +9,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from wingspan.config import TrainConfig
+from wingspan.config import ConfigError, TrainConfig
 from wingspan.models.target import TargetModel
 from wingspan.data.template import TokenizedConversation
-from wingspan.train.trainer import learning_rate, plan_batches, train
+from wingspan.train.trainer import learning_rate, train
 
 VOCAB = 128
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +54,6 @@ def config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**fields)
 
 
-def test_plan_batches_respects_budget_and_is_deterministic():
-    lengths = [5, 30, 17, 8, 31, 2, 9, 16] * 4
-    plan = plan_batches(lengths, 64, seed=3, epoch=1, shuffle=True)
-    assert plan == plan_batches(lengths, 64, seed=3, epoch=1, shuffle=True)
-    assert plan != plan_batches(lengths, 64, seed=3, epoch=2, shuffle=True)
-    assert sorted(i for batch in plan for i in batch) == list(range(len(lengths)))
-    assert all(max(lengths[i] for i in b) * len(b) <= 64 for b in plan)
-
-
 def test_learning_rate_warms_up_then_decays():
     cfg = TrainConfig(lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
     lrs = [learning_rate(s, 100, cfg) for s in range(100)]
@@ -79,21 +72,36 @@ def test_overfitting_a_few_sequences_reaches_high_accuracy(tiny_target, tmp_path
     assert metrics[-1]["acc_1"] > 0.9
 
 
-def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_path):
+def interrupted_copy(run, to, at: int):
+    """`run` as it was right after checkpoint `at` was written."""
+    shutil.copytree(run, to)
+    for checkpoint in (to / "checkpoints").glob("step-*"):
+        if checkpoint.name != f"step-{at}":
+            shutil.rmtree(checkpoint)
+    shutil.rmtree(to / "draft")
+    (to / "checkpoints" / "latest").write_text(f"step-{at}\n")
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_path, pack):
     d2t, t2d = identity_vocab()
-    data = sequences(10, 20)
-    full = train(config(tmp_path / "a", grad_accum=2), tiny_target, data, d2t, t2d)
-    # An interrupted run: keep only what existed after step 8 was checkpointed.
-    interrupted = tmp_path / "b" / "run"
-    shutil.copytree(tmp_path / "a" / "run", interrupted)
-    shutil.rmtree(interrupted / "checkpoints" / "step-12")
-    shutil.rmtree(interrupted / "draft")
-    (interrupted / "checkpoints" / "latest").write_text("step-8\n")
-    resumed = train(config(tmp_path / "b", grad_accum=2), tiny_target, data, d2t, t2d, resume=True)
+    data = sequences(16, 11)  # 11, 10 and 9 tokens: packed, three conversations share a 32-token row
+    full = train(config(tmp_path / "a", grad_accum=2, pack=pack), tiny_target, data, d2t, t2d)
+    interrupted_copy(tmp_path / "a" / "run", tmp_path / "b" / "run", at=8)
+    resumed = train(config(tmp_path / "b", grad_accum=2, pack=pack), tiny_target, data, d2t, t2d, resume=True)
     a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_resume_refuses_the_other_batch_layout(tiny_target, tmp_path):
+    """The data position indexes the plan, which packing changes."""
+    d2t, t2d = identity_vocab()
+    train(config(tmp_path, max_steps=2, save_every=1), tiny_target, sequences(4, 11), d2t, t2d)
+    interrupted_copy(tmp_path / "run", tmp_path / "b" / "run", at=1)
+    with pytest.raises(ConfigError, match="planned with pack=True; resume it with pack=True"):
+        train(config(tmp_path / "b", max_steps=2, pack=False), tiny_target, sequences(4, 11), d2t, t2d, resume=True)
 
 
 def test_refuses_to_overwrite_a_run_without_resume(tiny_target, tmp_path):

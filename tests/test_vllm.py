@@ -44,7 +44,8 @@ def expected_counters(target, draft: Eagle3Draft, prompts: list[list[int]], outp
         ids = torch.tensor([prompt + output])
         hidden_states = target(ids, output_hidden_states=True).hidden_states
         aux = torch.cat([hidden_states[i] for i in draft.config.aux_layer_ids], dim=-1)
-        chains = [draft.draft_to_target(draft.logits(h).argmax(-1))[0] for h in unroll(draft, aux, ids, k)]
+        positions = torch.arange(ids.shape[1])[None]  # one conversation
+        chains = [draft.draft_to_target(draft.logits(h).argmax(-1))[0] for h in unroll(draft, aux, ids, positions, k)]
         tokens, origin = ids[0], len(prompt) - 1
         while origin + 2 < len(tokens):
             accepted = 0

@@ -67,7 +67,8 @@ def run_training(config: TrainConfig, resume: bool = False, target: TargetModel 
     With `config.from_dump` the records and the target's features come from that dump; the target is still
     loaded (draft shape, frozen embeddings, lm_head rows) but never run.
     """
-    from wingspan.data.hidden_states import DumpFeatures, HiddenStateDump, dump_identity, require_match
+    from wingspan.data.hidden_states import HiddenStateDump, dump_identity, require_match
+    from wingspan.train.features import DumpFeatures
     from wingspan.train.trainer import train
 
     target = target or load_target(config)

@@ -25,18 +25,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from wingspan.config import ConfigError, TrainConfig, from_dict, read_mapping, save_json
+from wingspan.data.batching import collate, plan_packed
 from wingspan.data.conversations import DataError
 from wingspan.data.template import TokenizedConversation
-from wingspan.data.vocab import draft_to_target_ids
-from wingspan.train.features import MicroBatch, collate
-from wingspan.train.trainer import plan_batches
-from wingspan.train.ttt import TTTBatch
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -237,7 +233,8 @@ def write_dump(
     done_tokens = sum(s.num_tokens for s in manifest.shards if s.done)
     progress = tqdm(total=manifest.num_tokens, initial=done_tokens, desc="dump", unit="tok", unit_scale=True, dynamic_ncols=True)
     for shard in todo:
-        tensors = shard_tensors(target, records[shard.first_record : shard.first_record + shard.num_records], batch_tokens, progress)
+        shard_records = records[shard.first_record : shard.first_record + shard.num_records]
+        tensors = shard_tensors(target, shard_records, identity.max_length, batch_tokens, progress)
         tmp = out / f".{shard.file}.tmp"
         save_file(tensors, str(tmp))
         tmp.replace(out / shard.file)
@@ -270,25 +267,32 @@ def _check_logits_are_lm_head(target, record: TokenizedConversation) -> None:
                          "scaling?), so a dump cannot reproduce them; train online instead")
 
 
-def shard_tensors(target, records: list[TokenizedConversation], batch_tokens: int, progress: tqdm) -> dict[str, torch.Tensor]:
-    """The target's features for `records`, run in the trainer's length-bucketed batches (unshuffled)."""
+def shard_tensors(
+    target, records: list[TokenizedConversation], row_tokens: int, batch_tokens: int, progress: tqdm
+) -> dict[str, torch.Tensor]:
+    """The target's features for `records`, run in packed rows of `row_tokens` (the trainer's packing,
+    unshuffled: no compute on padding), stored per record."""
     lengths = [len(r.input_ids) for r in records]
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     aux: list[torch.Tensor | None] = [None] * len(records)
     last: list[torch.Tensor | None] = [None] * len(records)
     top: list[torch.Tensor | None] = [None] * len(records)
-    for batch in plan_batches(lengths, batch_tokens, seed=0, epoch=0, shuffle=False):
+    for batch in plan_packed(lengths, row_tokens, batch_tokens, seed=0, epoch=0, shuffle=False):
         micro = collate(records, batch, pad_id)
-        out = target.forward(micro.input_ids, micro.attention_mask, return_last_hidden=True)
+        out = target.forward(micro.input_ids, micro.causal_mask(), return_last_hidden=True,
+                             position_ids=micro.positions)  # fmt: skip
         # The target's own lm_head, as its forward applies it; max().indices, not argmax(): the latter has no
         # fast bf16 kernel on CPU.
         argmax = target.model.get_output_embeddings()(out.last_hidden).max(dim=-1).indices
-        for row, index in enumerate(batch):
-            n = lengths[index]
-            aux[index] = out.aux_hidden[row, :n].to(FEATURE_DTYPE).cpu()
-            last[index] = out.last_hidden[row, :n].to(FEATURE_DTYPE).cpu()
-            top[index] = argmax[row, :n].to(torch.int32).cpu()
-        progress.update(sum(lengths[i] for i in batch))
+        for r, row in enumerate(batch):
+            at = 0
+            for index in row:
+                end = at + lengths[index]
+                aux[index] = out.aux_hidden[r, at:end].to(FEATURE_DTYPE).cpu()
+                last[index] = out.last_hidden[r, at:end].to(FEATURE_DTYPE).cpu()
+                top[index] = argmax[r, at:end].to(torch.int32).cpu()
+                at = end
+        progress.update(sum(lengths[i] for row in batch for i in row))
     offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     return {
         "input_ids": torch.tensor([t for r in records for t in r.input_ids], dtype=torch.int32),
@@ -327,34 +331,24 @@ class HiddenStateDump:
                 self.records.append(TokenizedConversation(ids[start:end], mask[start:end]))
                 self._where.append((number, start, end))
 
-    def features(self, indices: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(aux_hidden [B, width, num_aux * H], last_hidden [B, width, H], target_argmax [B, width]) of
-        records `indices`, right-padded with zeros (padding is never counted by the loss)."""
+    def features(self, rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(aux_hidden [R, width, num_aux * H], last_hidden [R, width, H], target_argmax [R, width]) of `rows`
+        of records laid back to back (`wingspan.data.batching.collate`'s layout), zero after them (padding is
+        never counted by the loss)."""
         manifest = self.manifest
         num_aux = len(manifest.identity.aux_layer_ids)
-        aux = torch.zeros(len(indices), width, num_aux * manifest.hidden_size, dtype=FEATURE_DTYPE)
-        last = torch.zeros(len(indices), width, manifest.hidden_size, dtype=FEATURE_DTYPE)
-        argmax = torch.zeros(len(indices), width, dtype=torch.long)
-        for row, index in enumerate(indices):
-            number, start, end = self._where[index]
-            shard = self._shards[number]
-            aux[row, : end - start] = shard.get_slice("aux_hidden")[start:end]
-            last[row, : end - start] = shard.get_slice("last_hidden")[start:end]
-            argmax[row, : end - start] = shard.get_slice("target_argmax")[start:end]
+        aux = torch.zeros(len(rows), width, num_aux * manifest.hidden_size, dtype=FEATURE_DTYPE)
+        last = torch.zeros(len(rows), width, manifest.hidden_size, dtype=FEATURE_DTYPE)
+        argmax = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            at = 0
+            for index in row:
+                number, start, end = self._where[index]
+                shard = self._shards[number]
+                span = slice(at, at + end - start)
+                aux[r, span] = shard.get_slice("aux_hidden")[start:end]
+                last[r, span] = shard.get_slice("last_hidden")[start:end]
+                argmax[r, span] = shard.get_slice("target_argmax")[start:end]
+                at = span.stop
         return aux, last, argmax
 
-
-class DumpFeatures:
-    """The offline feature source: stored features, and the target's logits over the draft vocab
-    recomputed from the stored final hidden state with the target's lm_head rows of that vocab."""
-
-    def __init__(self, dump: HiddenStateDump, target, d2t: torch.Tensor) -> None:
-        self.dump = dump
-        self.lm_head_rows = target.lm_head_weight().detach()[draft_to_target_ids(d2t)]
-
-    def __call__(self, micro: MicroBatch) -> TTTBatch:
-        aux, last, argmax = self.dump.features(micro.indices, micro.input_ids.shape[1])
-        # In the target's dtype, as the target's own lm_head computes them, where the target is (a GPU under
-        # torchrun with NCCL); the trainer moves the rest of the batch there.
-        logits = F.linear(last.to(self.lm_head_rows.device, self.lm_head_rows.dtype), self.lm_head_rows)
-        return TTTBatch(micro.input_ids, micro.loss_mask, aux, logits, argmax)

@@ -54,7 +54,6 @@ from wingspan.decode.speculative import (
     _choose,
     _Clock,
     _finish,
-    _model_mask,
     _pick,
     _run_target,
     _verify,
@@ -88,7 +87,7 @@ def _target_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One cached target forward over ids [B, T] (the last T slots of `valid`): (logits [B, T or 1, V],
     aux [B, T, num_aux * H])."""
-    mask = _model_mask(target, _attention_mask(valid.to(target.device), ids.shape[1]))
+    mask = target.model_mask(_attention_mask(valid.to(target.device), ids.shape[1]))
     with target.capture_aux() as captured:
         out = _run_target(target, ids, cache, last_only, position_ids=positions.to(target.device), attention_mask=mask)
     return out.logits, target.aux_features(captured)

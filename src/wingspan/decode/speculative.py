@@ -147,16 +147,6 @@ def _choose(
     return draft.draft_to_target(choice), logp, None
 
 
-def _model_mask(target: TargetModel, mask: torch.Tensor) -> torch.Tensor:
-    """A 4D attention mask as the target's attention takes it: SDPA a bool mask (True = attend), eager
-    attention an additive one (0 / -inf: it adds the mask to the scores). Passing a prepared 4D mask skips
-    the model's own mask building, so sliding-window attention is not applied: fine for Llama-style targets."""
-    if getattr(target.model.config, "_attn_implementation", "sdpa") == "sdpa":
-        return mask
-    additive = torch.zeros(mask.shape, dtype=target.dtype, device=mask.device)
-    return additive.masked_fill(~mask, torch.finfo(target.dtype).min)
-
-
 def _tree_attention(tree: DraftTree, past: int, target: TargetModel) -> dict[str, torch.Tensor]:
     """Target forward arguments for [root, nodes] after `past` cached positions: each row sees the cache, the
     root and its ancestors; node positions are past + depth. Empty for a chain (the causal default)."""
@@ -166,7 +156,7 @@ def _tree_attention(tree: DraftTree, past: int, target: TargetModel) -> dict[str
     mask = torch.ones(rows, past + rows, dtype=torch.bool, device=device)
     mask[:, past:] = tree.ancestry_mask().to(device)
     positions = torch.tensor([[past] + [past + d for d in tree.depths]], device=device)
-    return {"attention_mask": _model_mask(target, mask[None, None]), "position_ids": positions}
+    return {"attention_mask": target.model_mask(mask[None, None]), "position_ids": positions}
 
 
 @torch.no_grad()

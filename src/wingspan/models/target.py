@@ -195,21 +195,38 @@ class TargetModel:
         aux_layer_ids order, [B, T, num_aux * H]."""
         return torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
 
+    def model_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A bool [B, 1, Q, K] mask (True = may attend) as this model's attention takes it: SDPA the bool mask
+        itself, eager attention an additive one (0 / -inf: it adds the mask to the scores). Passing a prepared
+        4D mask skips the model's own mask building, so sliding-window attention is not applied: fine for
+        Llama-style targets."""
+        if getattr(self.model.config, "_attn_implementation", "sdpa") == "sdpa":
+            return mask
+        additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+        return additive.masked_fill(~mask, torch.finfo(self.dtype).min)
+
     @torch.no_grad()  # not inference_mode: the outputs feed the draft's autograd graph
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         return_last_hidden: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> TargetOutput:
-        """Aux hidden states plus logits, or plus the final hidden state (skipping the lm_head)."""
+        """Aux hidden states plus logits, or plus the final hidden state (skipping the lm_head).
+
+        attention_mask: [B, T] (1 on real tokens, the model adds causality), or a bool [B, 1, T, T] (True =
+        may attend) for rows of several documents, with their `position_ids` [B, T] (packed training rows).
+        """
         input_ids = input_ids.to(self.device)
-        attention_mask = None if attention_mask is None else attention_mask.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+            if attention_mask.dim() == 4:
+                attention_mask = self.model_mask(attention_mask)
+        position_ids = None if position_ids is None else position_ids.to(self.device)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         with self.capture_aux() as captured:
-            if return_last_hidden:
-                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            else:
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = (self.model.get_decoder() if return_last_hidden else self.model)(**inputs)
         aux = self.aux_features(captured)
         if return_last_hidden:
             return TargetOutput(aux_hidden=aux, last_hidden=out.last_hidden_state)

@@ -35,8 +35,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from wingspan.data.batching import MicroBatch
 from wingspan.models.draft import Eagle3Draft
-from wingspan.train.features import MicroBatch
 
 # Gathered full tensors land on rank 0's CPU only, the other ranks get nothing: a checkpoint never needs
 # the whole model on a device, nor on every rank.

@@ -1,47 +1,24 @@
 """Where the target's side of a micro-batch comes from: the target run on it now, or a dump read from disk.
 
-The trainer collates the records of a micro-batch and hands them to a feature source chosen once per run;
-the source returns the `TTTBatch` the loss reads. `OnlineFeatures` runs the target here; the offline source,
-`wingspan.data.hidden_states.DumpFeatures`, reads what `wingspan dump` stored. Both give the same tensors,
-so the training loop is one loop.
+The trainer collates the records of a micro-batch (`wingspan.data.batching`) and hands them to a feature
+source chosen once per run; the source returns the `TTTBatch` the loss reads. `OnlineFeatures` runs the
+target; `DumpFeatures` reads what `wingspan dump` stored per conversation and lays it out in the
+micro-batch's rows. Both give the same tensors, so the training loop is one loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from wingspan.data.template import TokenizedConversation
+from wingspan.data.batching import MicroBatch
+from wingspan.data.hidden_states import HiddenStateDump
 from wingspan.data.vocab import draft_to_target_ids
 from wingspan.train.ttt import TTTBatch
 
-
-@dataclass
-class MicroBatch:
-    """Records `indices`, right-padded to the longest."""
-
-    indices: list[int]
-    input_ids: torch.Tensor  # [B, T]
-    loss_mask: torch.Tensor  # [B, T] float, 0 on padding
-    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
-
-
 FeatureSource = Callable[[MicroBatch], TTTBatch]
-
-
-def collate(records: list[TokenizedConversation], indices: list[int], pad_id: int) -> MicroBatch:
-    sequences = [records[i] for i in indices]
-    length = max(len(s.input_ids) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(sequences), length)
-    attention = torch.zeros(len(sequences), length, dtype=torch.long)
-    for row, s in enumerate(sequences):
-        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        loss_mask[row, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float)
-        attention[row, : len(s.input_ids)] = 1
-    return MicroBatch(list(indices), ids, loss_mask, attention)
 
 
 class OnlineFeatures:
@@ -52,8 +29,26 @@ class OnlineFeatures:
         self.draft_vocab_ids = draft_to_target_ids(d2t)
 
     def __call__(self, micro: MicroBatch) -> TTTBatch:
-        out = self.target.forward(micro.input_ids, micro.attention_mask)
+        # Packed rows: per-conversation positions and a block-causal mask, so that each conversation gets
+        # the features it gets alone.
+        out = self.target.forward(micro.input_ids, micro.causal_mask(), position_ids=micro.positions)
         logits = out.logits
         # max().indices, not argmax(): the latter has no fast bf16 kernel on CPU (5x slower here).
-        return TTTBatch(micro.input_ids, micro.loss_mask, out.aux_hidden,
-                        logits[..., self.draft_vocab_ids.to(logits.device)], logits.max(dim=-1).indices)
+        return TTTBatch(micro.input_ids, micro.loss_mask, micro.positions, out.aux_hidden,
+                        logits[..., self.draft_vocab_ids.to(logits.device)], logits.max(dim=-1).indices)  # fmt: skip
+
+
+class DumpFeatures:
+    """The offline feature source: stored features, and the target's logits over the draft vocab
+    recomputed from the stored final hidden state with the target's lm_head rows of that vocab."""
+
+    def __init__(self, dump: HiddenStateDump, target, d2t: torch.Tensor) -> None:
+        self.dump = dump
+        self.lm_head_rows = target.lm_head_weight().detach()[draft_to_target_ids(d2t)]
+
+    def __call__(self, micro: MicroBatch) -> TTTBatch:
+        aux, last, argmax = self.dump.features(micro.rows, micro.input_ids.shape[1])
+        # In the target's dtype, as the target's own lm_head computes them, where the target is (a GPU under
+        # torchrun with NCCL); the trainer moves the rest of the batch there.
+        logits = F.linear(last.to(self.lm_head_rows.device, self.lm_head_rows.dtype), self.lm_head_rows)
+        return TTTBatch(micro.input_ids, micro.loss_mask, micro.positions, aux, logits, argmax)

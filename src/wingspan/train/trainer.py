@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from wingspan.config import DraftConfig, TrainConfig, save_json
+from wingspan.config import ConfigError, DraftConfig, TrainConfig, save_json
+from wingspan.data.batching import collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
 from wingspan.models.draft import Eagle3Draft
 from wingspan.train.checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint, write_draft
@@ -38,35 +38,8 @@ from wingspan.train.distributed import (
     print0,
     share_of_step,
 )
-from wingspan.train.features import FeatureSource, OnlineFeatures, collate
+from wingspan.train.features import FeatureSource, OnlineFeatures
 from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_masks
-
-
-def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, shuffle: bool) -> list[list[int]]:
-    """Group sequence indices into micro-batches of at most `batch_tokens` padded tokens.
-
-    Sequences are sorted by length inside windows of 64 so that padding stays small while the order
-    still changes every epoch; the batches themselves are shuffled too. Deterministic in (seed, epoch).
-    """
-    rng = random.Random(seed * 100_003 + epoch)
-    order = list(range(len(lengths)))
-    if shuffle:
-        rng.shuffle(order)
-    window = 64
-    order = [i for start in range(0, len(order), window) for i in sorted(order[start : start + window], key=lengths.__getitem__)]
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in order:
-        longest = max([lengths[index]] + [lengths[i] for i in current])
-        if current and longest * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    if shuffle:
-        rng.shuffle(batches)
-    return batches
 
 
 def learning_rate(step: int, total: int, config: TrainConfig) -> float:
@@ -215,7 +188,7 @@ def train(
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
 
     lengths = [len(s.input_ids) for s in sequences]
-    batches_per_epoch = len(plan_batches(lengths, config.batch_tokens, config.seed, 0, False))
+    batches_per_epoch = len(plan_epoch(lengths, config, 0, shuffle=False))
     steps_per_epoch = max(1, batches_per_epoch // config.grad_accum)
     total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
 
@@ -226,6 +199,12 @@ def train(
         # numbers (the data order is a function of seed and epoch); CUDA generators are not saved.
         torch.set_rng_state(checkpoint.rng_state)
         step, epoch, batch_index = (checkpoint.trainer_state[k] for k in ("step", "epoch", "batch_index"))
+        # The data position indexes a plan, and packing changes the plan: resuming under the other one would
+        # train on other data. Checkpoints from before packing existed were padded.
+        planned_packed = checkpoint.trainer_state.get("pack", False)
+        if planned_packed != config.pack:
+            raise ConfigError(f"{checkpoint.path}: this run was planned with pack={planned_packed}; resume it with "
+                              f"pack={planned_packed} (the config has pack={config.pack})")
         print0(f"resumed from {checkpoint.path} (step {step}/{total_steps})")
     if config.grad_accum % world.size:
         print0(f"warning: grad_accum={config.grad_accum} micro-batches per step over {world.size} ranks: some "
@@ -233,7 +212,7 @@ def train(
 
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     log = MetricLog(run_dir, config.tensorboard, config.ttt_steps, world, device)
-    plan = plan_batches(lengths, config.batch_tokens, config.seed, epoch, config.shuffle)
+    plan = plan_epoch(lengths, config, epoch, config.shuffle)
     progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                     disable=not world.is_main)
     record: dict = {}
@@ -242,11 +221,11 @@ def train(
         while len(group) < config.grad_accum:
             if batch_index >= len(plan):
                 epoch, batch_index = epoch + 1, 0
-                plan = plan_batches(lengths, config.batch_tokens, config.seed, epoch, config.shuffle)
+                plan = plan_epoch(lengths, config, epoch, config.shuffle)
             group.append(collate(sequences, plan[batch_index], pad_id))
             batch_index += 1
-        normaliser = sum(step_masks(m.loss_mask, config.ttt_steps).sum(dim=(1, 2)) for m in group).clamp(min=1)
-        normaliser = normaliser.to(device)
+        normaliser = sum(step_masks(m.loss_mask, m.positions, config.ttt_steps).sum(dim=(1, 2)) for m in group)
+        normaliser = normaliser.clamp(min=1).to(device)
         lr = learning_rate(step, total_steps, config)
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
@@ -272,7 +251,7 @@ def train(
             # Every rank gathers (FSDP), rank 0 writes; the data position is global, so any world size resumes it.
             weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, optimizer)
             if world.is_main:
-                position = {"step": step, "epoch": epoch, "batch_index": batch_index}
+                position = {"step": step, "epoch": epoch, "batch_index": batch_index, "pack": config.pack}
                 save_checkpoint(run_dir, step, weights, draft.config, optimizer_state, position, keep=2)
             world.barrier()
     progress.close()

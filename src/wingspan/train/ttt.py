@@ -4,6 +4,10 @@ Step 0 at position i reads (f_i, x_{i+1}) and predicts p_{i+1}, the target's dis
 Step j reads the draft's own step j-1 output at i and x_{i+j+1}, at RoPE position i+j, and predicts
 p_{i+j+1}. In every layer's cache a step-j query at i sees the step-0 keys at positions <= i and the keys
 of steps 1..j at i itself: what a chain draft has in its KV cache after j steps from origin i.
+
+A row may hold several conversations back to back (packing, `wingspan.data.batching`): positions then
+restart at 0 at each one, attention stops at its start, and a step counts only when the token it predicts
+lies in the same conversation, so each conversation computes exactly what it computes alone.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from wingspan.data.batching import block_causal_mask, document_ids, is_packed
 from wingspan.models.draft import Eagle3Draft
 
 
@@ -28,9 +33,14 @@ class TTTCache:
     which the diagonal values are mixed in. j dummy queries in front shift the causal diagonal so that
     every real query sees all sinks: no mask tensor, and SDPA's fused kernel skips the upper triangle and
     never stores scores, so memory stays linear in T.
+
+    Packed rows need a mask (attention must stop at each conversation's start): `mask` is `sink_mask`'s
+    block-causal [B, 1, S + T, S + T] bool with S >= j sink rows and columns in front, and step j reads its
+    bottom-right corner of size j + T. SDPA's fused CPU kernel takes it at about the causal path's cost.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mask: torch.Tensor | None = None) -> None:
+        self.mask = mask
         self.k0: torch.Tensor | None = None
         self.v0: torch.Tensor | None = None
         self.diagonal_k: list[torch.Tensor] = []
@@ -39,7 +49,7 @@ class TTTCache:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k0 is None:
             self.k0, self.v0 = k, v
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **self._causal(0))
         self.diagonal_k.append(k)
         self.diagonal_v.append(v)
         batch, heads, _, head_dim = q.shape
@@ -55,18 +65,32 @@ class TTTCache:
         k_ext = torch.cat([sink_rows, F.pad(self.k0, (0, sinks))], dim=2)
         v_ext = torch.cat([sink_rows, F.pad(self.v0, (0, sinks))], dim=2)
         out = F.scaled_dot_product_attention(
-            q_ext, k_ext, v_ext, is_causal=True, scale=head_dim**-0.5, enable_gqa=True
+            q_ext, k_ext, v_ext, scale=head_dim**-0.5, enable_gqa=True, **self._causal(sinks)
         )[:, :, sinks:]
         causal_part, diag_weights = out[..., :head_dim], out[..., head_dim:]
         return causal_part + torch.einsum("bhts,bhtsd->bhtd", diag_weights, diag_v)
 
+    def _causal(self, sinks: int) -> dict:
+        """SDPA's causality argument with `sinks` sinks in front: the plain causal flag, or the mask's corner."""
+        if self.mask is None:
+            return {"is_causal": True}
+        skip = self.mask.shape[-1] - self.k0.shape[2] - sinks
+        return {"attn_mask": self.mask[..., skip:, skip:]}
+
+
+def sink_mask(positions: torch.Tensor, sinks: int) -> torch.Tensor:
+    """`block_causal_mask(positions)` with `sinks` rows and columns in front, all True: every query sees the
+    sinks, and the dummy queries (whose outputs are dropped) see everything, so no row is all-masked."""
+    return F.pad(block_causal_mask(positions), (sinks, 0, sinks, 0), value=True)
+
 
 @dataclass
 class TTTBatch:
-    """One micro-batch: right-padded sequences and what the target said about them."""
+    """One micro-batch: rows of conversations (`wingspan.data.batching`) and what the target said about them."""
 
     input_ids: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T], 1 on assistant tokens (0 on padding)
+    positions: torch.Tensor  # [B, T] position inside its conversation (0 starts one)
     aux_hidden: torch.Tensor  # [B, T, num_aux * H_target]
     target_logits: torch.Tensor  # [B, T, draft_vocab]: the target's logits of the draft vocab's tokens
     target_argmax: torch.Tensor  # [B, T]: the target's top token over its whole vocab (a target id)
@@ -81,22 +105,31 @@ class TTTResult:
 
 
 def shift_left(x: torch.Tensor, by: int, fill: float | int = 0) -> torch.Tensor:
-    """x[:, i] <- x[:, i + by] along dim 1, filling the end."""
+    """x[:, i] <- x[:, i + by] along dim 1, filling the end (all of it when `by` reaches past it)."""
     if by == 0:
         return x
-    pad = x.new_full((x.shape[0], by, *x.shape[2:]), fill)
+    pad = x.new_full((x.shape[0], min(by, x.shape[1]), *x.shape[2:]), fill)
     return torch.cat([x[:, by:], pad], dim=1)
 
 
-def step_masks(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """[steps, B, T]: step j at origin i is counted when x_{i+j+2} (the token it predicts) is in the mask."""
-    return torch.stack([shift_left(loss_mask, j + 2) for j in range(steps)])
+def step_masks(loss_mask: torch.Tensor, positions: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps, B, T]: step j at origin i is counted when x_{i+j+2} (the token it predicts) is in the loss mask
+    and in origin i's conversation."""
+    documents = document_ids(positions)
+    return torch.stack([shift_left(loss_mask, j + 2) * (shift_left(documents, j + 2, fill=-1) == documents)
+                        for j in range(steps)])  # fmt: skip
 
 
-def unroll(draft: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
-    """Yield the draft's pre-norm hidden states [B, T, H] of steps 0..steps-1 (index i = origin i)."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    caches = [TTTCache() for _ in draft.layers]
+def unroll(
+    draft: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, steps: int
+) -> Iterator[torch.Tensor]:
+    """Yield the draft's pre-norm hidden states [B, T, H] of steps 0..steps-1 (index i = origin i).
+
+    positions [B, T]: each token's position inside its conversation. Rows of one conversation each take
+    SDPA's causal path; packed rows share one block-causal mask, built here once for all layers and steps.
+    """
+    mask = sink_mask(positions, steps - 1) if is_packed(positions) else None
+    caches = [TTTCache(mask) for _ in draft.layers]
     hidden = draft.project_aux(aux_hidden.to(draft.fc.weight.dtype))
     for j in range(steps):
         hidden = draft(hidden, shift_left(input_ids, j + 1), positions + j, caches)
@@ -113,7 +146,7 @@ def ttt_forward(
     """Unroll the draft `steps` times and score each step against the target.
 
     The target distribution is restricted to the draft vocab and renormalised (soft cross-entropy = forward
-    KL up to a constant). Only counted rows (assistant tokens whose prediction lies inside the sequence)
+    KL up to a constant). Only counted rows (assistant tokens whose prediction lies inside their conversation)
     go through the vocab projection. `normaliser` [steps] divides each step's loss sum; by default the
     counts of this micro-batch, but a trainer passes the counts of the whole optimizer step so that
     accumulation and data parallelism weight every token alike.
@@ -121,17 +154,17 @@ def ttt_forward(
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
     target_p = torch.softmax(batch.target_logits.float(), dim=-1)
     target_argmax = batch.target_argmax
-    masks = step_masks(loss_mask, steps).bool()
+    masks = step_masks(loss_mask, batch.positions, steps).bool()
     counts = masks.sum(dim=(1, 2)).float()
     if normaliser is None:
         normaliser = counts.clamp(min=1)
 
     loss = torch.zeros((), device=input_ids.device)
     loss_sums, correct = [], []
-    for j, hidden in enumerate(unroll(draft, batch.aux_hidden, input_ids, steps)):
+    for j, hidden in enumerate(unroll(draft, batch.aux_hidden, input_ids, batch.positions, steps)):
         # Origin i predicts the target's distribution at position i + j + 1; origins past T - j - 2
-        # predict beyond the sequence and are never counted, so slices replace shifted copies.
-        valid = input_ids.shape[1] - (j + 1)
+        # predict beyond the row and are never counted, so slices replace shifted copies.
+        valid = max(0, input_ids.shape[1] - (j + 1))
         rows = masks[j][:, :valid]
         logp = torch.log_softmax(draft.logits(hidden[:, :valid][rows]).float(), dim=-1)
         loss_sum = -(target_p[:, j + 1 :][rows] * logp).sum()
