@@ -53,7 +53,7 @@ def test_fit_needs_two_depths_and_gives_no_interval_for_two():
     with pytest.raises(ValueError, match="two distinct depths"):
         fit_log_linear([2, 2], [1.2, 1.3])
     fit = fit_log_linear([1, 4], [1.2, 1.5])
-    assert fit.b_interval is None and fit.b == pytest.approx(0.3 / math.log(4))
+    assert fit.b_interval is None and fit.r2 is None and fit.b == pytest.approx(0.3 / math.log(4))
 
 
 # ------------------------------------------------------------------------------------------------ config

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class LogFit:
     a: float  # tau at D = 1
     b: float  # tau gained per e-fold of depth (b * ln 2 per doubling)
-    r2: float | None  # None when every tau is the same (nothing to explain)
+    r2: float | None  # None with two depths (a line through two points is exact) or when every tau is the same
     n: int
     confidence: float
     a_interval: tuple[float, float] | None
@@ -42,7 +42,7 @@ def fit_log_linear(depths: list[int], taus: list[float], confidence: float = 0.9
     a = mean_y - b * mean_x
     residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, taus))
     total = sum((y - mean_y) ** 2 for y in taus)
-    r2 = 1 - residual / total if total > 0 else None
+    r2 = 1 - residual / total if total > 0 and n > 2 else None
     if n < 3:
         return LogFit(a, b, r2, n, confidence, None, None)
     variance = residual / (n - 2)
