@@ -1,6 +1,7 @@
-"""Shared pytest fixtures (fixtures only)."""
+"""Shared pytest fixtures, and the few helpers several test modules import (`from conftest import ...`)."""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,14 @@ def default_target_dir() -> str:
     from wingspan.models.registry import resolve_target
 
     return resolve_target("smollm2-135m-instruct")
+
+
+def interrupted_copy(run: Path, to: Path, at: int) -> Path:
+    """`run` as it was right after checkpoint `at` was written."""
+    shutil.copytree(run, to)
+    for checkpoint in (to / "checkpoints").glob("step-*"):
+        if checkpoint.name != f"step-{at}":
+            shutil.rmtree(checkpoint)
+    shutil.rmtree(to / "draft")
+    (to / "checkpoints" / "latest").write_text(f"step-{at}\n")
+    return to

@@ -10,13 +10,13 @@ asserted within 1e-5.
 import dataclasses
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import interrupted_copy
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
@@ -99,17 +99,6 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys()
     for key in wa:
         torch.testing.assert_close(wa[key], wb[key], rtol=0, atol=WEIGHT_ATOL, msg=key)
-
-
-def interrupted_copy(run: Path, to: Path, at: int) -> Path:
-    """`run` as it was right after checkpoint `at` was written."""
-    shutil.copytree(run, to)
-    for checkpoint in (to / "checkpoints").glob("step-*"):
-        if checkpoint.name != f"step-{at}":
-            shutil.rmtree(checkpoint)
-    shutil.rmtree(to / "draft")
-    (to / "checkpoints" / "latest").write_text(f"step-{at}\n")
-    return to
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """Training loop: loss goes down, a few sequences are learned, and resume equals an uninterrupted run."""
 
 import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
+from conftest import interrupted_copy
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -70,16 +70,6 @@ def test_overfitting_a_few_sequences_reaches_high_accuracy(tiny_target, tmp_path
     assert metrics[-1]["loss_0"] < 0.6 * metrics[0]["loss_0"]  # the floor is the target entropy (~2.2)
     assert metrics[-1]["acc_0"] > 0.98
     assert metrics[-1]["acc_1"] > 0.9
-
-
-def interrupted_copy(run, to, at: int):
-    """`run` as it was right after checkpoint `at` was written."""
-    shutil.copytree(run, to)
-    for checkpoint in (to / "checkpoints").glob("step-*"):
-        if checkpoint.name != f"step-{at}":
-            shutil.rmtree(checkpoint)
-    shutil.rmtree(to / "draft")
-    (to / "checkpoints" / "latest").write_text(f"step-{at}\n")
 
 
 @pytest.mark.parametrize("pack", [True, False])

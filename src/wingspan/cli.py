@@ -222,7 +222,7 @@ def evaluate_draft(
     decoding of the same target, run side by side on each prompt. See docs/evaluation.md."""
     import torch
 
-    from wingspan.eval.prompts import EvalPrompt, load_prompt_set
+    from wingspan.eval.prompts import load_prompt_sets
     from wingspan.eval.report import markdown, require_matplotlib, write_report
     from wingspan.eval.runner import EvalSettings, evaluate, load_models
     from wingspan.models.target import DTYPES
@@ -237,14 +237,7 @@ def evaluate_draft(
         raise typer.BadParameter(f"{dtype!r}: expected bf16, fp32 or fp16", param_hint="--dtype")
     # Everything that can fail fast does, before the models load and the decoding starts.
     require_matplotlib()
-    prompt_sets: dict[str, list[EvalPrompt]] = {}
-    for spec in filter(None, (s.strip() for s in sets.split(","))):
-        name, prompts = load_prompt_set(spec, settings.limit)
-        if name in prompt_sets:
-            raise ConfigError(f"--sets: two sets are named {name!r}; name them apart, e.g. a=PATH,b=PATH")
-        prompt_sets[name] = prompts
-    if not prompt_sets:
-        raise ConfigError("--sets: no prompt set given")
+    prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit)
     if threads is not None:
         torch.set_num_threads(threads)
     model, draft_model = load_models(target, draft, dtype)

@@ -78,6 +78,19 @@ def load_prompt_set(spec: str, limit: int | None = None) -> tuple[str, list[Eval
     return name, prompts[:limit]
 
 
+def load_prompt_sets(specs: list[str], limit: int | None = None) -> dict[str, list[EvalPrompt]]:
+    """{name: prompts} of every spec (see `load_prompt_set`); two sets of one name are an error."""
+    prompt_sets: dict[str, list[EvalPrompt]] = {}
+    for spec in specs:
+        name, prompts = load_prompt_set(spec, limit)
+        if name in prompt_sets:
+            raise ConfigError(f"--sets: two sets are named {name!r}; name them apart, e.g. a=PATH,b=PATH")
+        prompt_sets[name] = prompts
+    if not prompt_sets:
+        raise ConfigError("--sets: no prompt set given")
+    return prompt_sets
+
+
 def split_spec(spec: str) -> tuple[str, str | None]:
     """(name, path or None for a named set)."""
     if spec in NAMED_SETS:

@@ -99,19 +99,15 @@ def markdown(sets: list[SetResult], settings: EvalSettings, *, target: str, draf
 
 def require_matplotlib() -> None:
     """Fail now, not after the evaluation, when the plot cannot be drawn."""
-    import_optional("matplotlib", "matplotlib", "the acceptance plot (acceptance.png)")
+    import_optional("matplotlib", "matplotlib", "the report's plots (PNG)")
 
 
 def plot_acceptance(sets: list[SetResult], path: Path) -> None:
     """Acceptance rate per draft position, one line per set (tau in the legend)."""
     require_matplotlib()
-    # The Agg canvas directly, not pyplot: no GUI backend, no global figure state.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(6, 4), layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = agg_figure(figsize=(6, 4))
     axes = figure.add_subplot()
     for result in sets:
         rates = result.acceptance_per_position
@@ -123,6 +119,22 @@ def plot_acceptance(sets: list[SetResult], path: Path) -> None:
     axes.grid(alpha=0.3)
     if axes.lines:
         axes.legend()
+    save_png(figure, path)
+
+
+def agg_figure(**kwargs):
+    """A matplotlib Figure on the Agg canvas directly, not pyplot: no GUI backend, no global figure state."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(layout="constrained", **kwargs)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def save_png(figure, path: Path) -> None:
+    """Written to a temporary name and renamed, like every report file."""
     tmp = path.with_name(path.name + ".tmp")
     figure.savefig(tmp, format="png", dpi=120)
     tmp.replace(path)

@@ -273,8 +273,7 @@ def load_models(target: str, draft: str | Path, dtype: str = "bfloat16") -> tupl
     """The target, capturing the aux layers the draft was trained on, and the draft (a wingspan draft directory
     or a vLLM export) on the target's device and in its dtype, as a serving engine runs it."""
     directory = Path(draft)
-    vllm = is_vllm_export(directory)
-    if vllm:
+    if is_vllm_export(directory):
         config_path = directory / "config.json"
         config = draft_config_from_vllm(json.loads(config_path.read_text()), str(config_path))
     elif (directory / "draft_config.json").is_file():
@@ -288,6 +287,11 @@ def load_models(target: str, draft: str | Path, dtype: str = "bfloat16") -> tupl
             f"{directory}: the draft was trained on a target with hidden size {config.target_hidden_size} and "
             f"vocab {config.vocab_size}; {target} has {model.hidden_size} and {model.vocab_size}"
         )
-    embed = model.embed_weight()
-    loaded = load_vllm_export(directory, embed) if vllm else Eagle3Draft.load(directory, embed_weight=embed)
-    return model, loaded.to(model.device, model.dtype).eval()
+    return model, load_draft(directory, model)
+
+
+def load_draft(directory: Path, target: TargetModel) -> Eagle3Draft:
+    """A wingspan draft directory or a vLLM export, with `target`'s embeddings, on its device and in its dtype."""
+    embed = target.embed_weight()
+    loaded = load_vllm_export(directory, embed) if is_vllm_export(directory) else Eagle3Draft.load(directory, embed_weight=embed)
+    return loaded.to(target.device, target.dtype).eval()

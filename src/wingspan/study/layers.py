@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from wingspan.config import ConfigError, TrainConfig, from_dict, read_mapping, save_json, to_dict
-from wingspan.eval.prompts import EvalPrompt, load_prompt_set
+from wingspan.eval.prompts import EvalPrompt, load_prompt_sets
 from wingspan.eval.report import write_atomically
-from wingspan.eval.runner import EvalSettings, SetResult, evaluate
+from wingspan.eval.runner import EvalSettings, evaluate, load_draft
 from wingspan.models.draft import Eagle3Draft
 
 INJECTIONS = ("first", "all")
@@ -180,23 +180,15 @@ def evaluate_setting(config: StudyConfig, setting: Setting, draft_dir: Path, tar
             if path.exists():
                 continue
             if draft is None:
-                draft = Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()).to(target.device, target.dtype).eval()
+                draft = load_draft(draft_dir, target)
             print(f"[{setting.name}] {decoder} on {name}")
             result = evaluate(target, draft, prompts, settings, name=f"{setting.name} {decoder} {name}")
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, json.dumps({"settings": to_dict(settings), "result": to_dict(result)}, indent=1) + "\n")
 
 
-def load_prompt_sets(config: StudyConfig) -> dict[str, list[EvalPrompt]]:
-    prompt_sets: dict[str, list[EvalPrompt]] = {}
-    for spec in config.sets:
-        name, prompts = load_prompt_set(spec, config.limit)
-        if name in prompt_sets:
-            raise ConfigError(f"sets: two sets are named {name!r}; name them apart, e.g. a=PATH,b=PATH")
-        if config.first_turn_only:
-            prompts = [dataclasses.replace(p, turns=p.turns[:1]) for p in prompts]
-        prompt_sets[name] = prompts
-    return prompt_sets
+def first_turns(prompt_sets: dict[str, list[EvalPrompt]]) -> dict[str, list[EvalPrompt]]:
+    return {name: [dataclasses.replace(p, turns=p.turns[:1]) for p in prompts] for name, prompts in prompt_sets.items()}
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -262,7 +254,9 @@ def run_study(config: StudyConfig, out: Path, threads: int | None = None) -> Pat
 
     out.mkdir(parents=True, exist_ok=True)
     open_study(config, out)
-    prompt_sets = load_prompt_sets(config)  # a bad set fails now, not after hours of training
+    prompt_sets = load_prompt_sets(config.sets, config.limit)  # a bad set fails now, not after hours of training
+    if config.first_turn_only:
+        prompt_sets = first_turns(prompt_sets)
     base = config.base_train_config()
     if threads:
         torch.set_num_threads(threads)

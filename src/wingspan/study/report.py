@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from wingspan.config import to_dict
-from wingspan.eval import import_optional
-from wingspan.eval.report import write_atomically
+from wingspan.eval.report import agg_figure, save_png, write_atomically
 from wingspan.study.fit import LogFit, fit_log_linear
 from wingspan.study.layers import DECODERS, SettingResult, StudyConfig
 
@@ -197,12 +196,9 @@ def injection_verdicts(rows: list[SettingResult]) -> list[str]:
 
 
 def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow], out: Path) -> None:
-    matplotlib = import_optional("matplotlib", "matplotlib", "the study's plots")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     styles = {"first": ("tab:blue", "o"), "all": ("tab:orange", "s")}
-    figure, axes = plt.subplots(1, len(DECODERS), figsize=(11, 4.2), sharey=True)
+    figure = agg_figure(figsize=(11, 4.2))
+    axes = figure.subplots(1, len(DECODERS), sharey=True)
     for axis, decoder in zip(axes, DECODERS):
         for injection in config.injection:
             colour, marker = styles[injection]
@@ -225,11 +221,10 @@ def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow],
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
     axes[0].set_ylabel("acceptance length tau")
-    figure.tight_layout()
-    save_figure(figure, out / "tau_vs_depth.png")
-    plt.close(figure)
+    save_png(figure, out / "tau_vs_depth.png")
 
-    figure, axis = plt.subplots(figsize=(6.5, 4.2))
+    figure = agg_figure(figsize=(6.5, 4.2))
+    axis = figure.add_subplot()
     for decoder, linestyle in zip(DECODERS, ("-", ":")):
         for injection in config.injection:
             colour, marker = styles[injection]
@@ -244,12 +239,4 @@ def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow],
     axis.set_title("end-to-end speedup (batch 1, this machine)", fontsize=9)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    save_figure(figure, out / "speedup_vs_depth.png")
-    plt.close(figure)
-
-
-def save_figure(figure, path: Path) -> None:
-    tmp = path.with_name(path.stem + ".tmp.png")
-    figure.savefig(tmp, dpi=120)
-    tmp.replace(path)
+    save_png(figure, out / "speedup_vs_depth.png")
