@@ -81,7 +81,7 @@ def write_study_report(config: StudyConfig, out: Path, rows: list[SettingResult]
     }
     write_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
     write_atomically(out / "report.md", markdown(config, rows, set_names, fit_rows))
-    plot(config, rows, fit_rows, out)
+    plot(config, rows, fit_rows, set_names, out)
 
 
 # ------------------------------------------------------------------------------------------------ markdown
@@ -195,7 +195,7 @@ def injection_verdicts(rows: list[SettingResult]) -> list[str]:
 # ------------------------------------------------------------------------------------------------ plots
 
 
-def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow], out: Path) -> None:
+def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow], set_names: list[str], out: Path) -> None:
     styles = {"first": ("tab:blue", "o"), "all": ("tab:orange", "s")}
     figure = agg_figure(figsize=(11, 4.2))
     axes = figure.subplots(1, len(DECODERS), sharey=True)
@@ -211,13 +211,13 @@ def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow],
                 if (f.decoder, f.injection, f.prompt_set) == (decoder, injection, POOLED):
                     grid = [1 + i * (max(f.depths) - 1) / 50 for i in range(51)]
                     axis.plot(grid, [f.fit.predict(d) for d in grid], color=colour, linestyle="--", linewidth=1,
-                              label=f"fit {f.fit.a:.2f} + {f.fit.b:.3f} ln D (R² {fmt(f.fit.r2)})")  # fmt: skip
+                              label=f"fit {f.fit.a:.2f} {f.fit.b:+.3f} ln D (R² {fmt(f.fit.r2)})")  # fmt: skip
         axis.set_xscale("log")
         depths = sorted({r.layers for r in rows}) or [1]
         axis.set_xticks(depths, [str(d) for d in depths])
         axis.minorticks_off()
         axis.set_xlabel("draft decoder layers D (log scale)")
-        axis.set_title(f"{decoder}: tau pooled over {', '.join(config.sets)}", fontsize=9)
+        axis.set_title(f"{decoder}: tau pooled over {', '.join(set_names)}", fontsize=9)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
     axes[0].set_ylabel("acceptance length tau")
