@@ -1,4 +1,5 @@
-"""The layer-scaling study: the log-linear fit, the config checks, and a whole tiny study that resumes."""
+"""The layer-scaling study: the log-linear fit, the prompt bootstrap, the config checks, and a whole tiny study
+that resumes."""
 
 import json
 import math
@@ -9,7 +10,7 @@ import pytest
 
 from wingspan.config import ConfigError
 from wingspan.study import layers as study_layers
-from wingspan.study.fit import fit_log_linear, t_cdf, t_quantile
+from wingspan.study.fit import bootstrap_interval, fit_log_linear, prompts_tau, t_cdf, t_quantile
 from wingspan.study.layers import StudyConfig, open_study, run_study
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,6 +54,38 @@ def test_fit_needs_two_depths_and_gives_no_interval_for_two():
         fit_log_linear([2, 2], [1.2, 1.3])
     fit = fit_log_linear([1, 4], [1.2, 1.5])
     assert fit.b_interval is None and fit.r2 is None and fit.b == pytest.approx(0.3 / math.log(4))
+
+
+def test_prompts_tau_pools_all_rounds():
+    assert prompts_tau([(10, 5), (30, 3)]) == pytest.approx(1 + 8 / 40)
+
+
+def test_bootstrap_interval_brackets_the_estimate_and_shrinks_with_more_prompts():
+    # Per-prompt (rounds, accepted): tau 1.1 to 1.6, pooled 1.35 either way.
+    prompts = [(100, 10), (100, 60), (100, 30), (100, 40)]
+    low, high = bootstrap_interval([prompts], prompts_tau)
+    assert low < prompts_tau(prompts) < high and 1.1 <= low and high <= 1.6
+    assert bootstrap_interval([prompts], prompts_tau) == (low, high)  # seeded: the same report every time
+    wide_low, wide_high = low, high
+    low, high = bootstrap_interval([prompts * 8], prompts_tau)
+    assert high - low < (wide_high - wide_low) / 2  # 8x the prompts: about 1/sqrt(8) the width
+    assert bootstrap_interval([[(50, 20)] * 5], prompts_tau) == (pytest.approx(1.4), pytest.approx(1.4))
+
+
+def test_paired_bootstrap_separates_a_real_difference_from_noise():
+    def difference(pairs):
+        return prompts_tau([a for a, _ in pairs]) - prompts_tau([b for _, b in pairs])
+
+    # Prompts vary a lot (hard and easy), but the first draft accepts 5 more tokens per 100 rounds on every one.
+    pairs = [((100, base + 5), (100, base)) for base in (5, 50, 20, 80, 35)]
+    low, high = bootstrap_interval([pairs], difference)
+    assert 0 < low <= 0.05 <= high
+    # The same per-prompt spread with no consistent sign: the interval straddles 0.
+    pairs = [((100, 50), (100, 40)), ((100, 10), (100, 25)), ((100, 30), (100, 30)), ((100, 60), (100, 55))]
+    low, high = bootstrap_interval([pairs], difference)
+    assert low < 0 < high
+    with pytest.raises(ValueError, match="at least one item"):
+        bootstrap_interval([pairs, []], difference)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -139,6 +172,9 @@ def test_every_setting_trains_on_the_same_budget_and_is_evaluated(tiny_study):
 
     report = (out / "report.md").read_text()
     assert "| D2-all | 2 | all |" in report and "## Fit: tau = a + b ln D" in report
+    assert "| all sets | 95% CI | speedup |" in report and "first - all 95% paired CI" in report
+    prompt_ids = {name: [p[0] for p in by_name[name]["prompts"]["chain"]["counting"]] for name in by_name}
+    assert len(prompt_ids["D1"]) == 2 and prompt_ids["D1"] == prompt_ids["D2-all"]  # paired by prompt
     for png in ("tau_vs_depth.png", "speedup_vs_depth.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

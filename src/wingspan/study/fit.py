@@ -1,14 +1,21 @@
-"""The log-linear fit tau = a + b * ln(D), with R^2 and confidence intervals from Student's t.
+"""The log-linear fit tau = a + b * ln(D), with R^2 and confidence intervals from Student's t, and the
+prompt bootstrap that says how much a measured tau would move on other prompts.
 
 Ordinary least squares on x = ln(D). The intervals are the textbook ones for a straight-line fit,
 estimate +- t_{(1+c)/2, n-2} * standard error, so they need at least three depths (n - 2 >= 1 degree of
-freedom); with two the line is exact and no interval is given.
+freedom); with two the line is exact and no interval is given. The fit's interval only sees the scatter of
+the taus around the line; the bootstrap sees the sampling noise of each tau itself.
 """
 
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+Item = TypeVar("Item")
 
 
 @dataclass
@@ -78,3 +85,22 @@ def t_quantile(p: float, df: int) -> float:
         middle = (low + high) / 2
         low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
     return (low + high) / 2
+
+
+def prompts_tau(prompts: Sequence[tuple[int, int]]) -> float:
+    """tau over (rounds, accepted drafts) per prompt, pooled as the evaluation pools a set: all tokens over
+    all rounds."""
+    rounds = sum(r for r, _ in prompts)
+    return 1 + sum(a for _, a in prompts) / rounds
+
+
+def bootstrap_interval(strata: Sequence[Sequence[Item]], statistic: Callable[[list[Item]], float],
+                       confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:  # fmt: skip
+    """Percentile interval of `statistic` over resamples that draw each stratum's items (prompts of one set)
+    with replacement, as many as it has. Seeded, so a report says the same thing every time it is written."""
+    if not all(strata):
+        raise ValueError("every stratum needs at least one item")
+    rng = random.Random(seed)
+    values = sorted(statistic([rng.choice(items) for items in strata for _ in items]) for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    return values[int(tail * (resamples - 1))], values[math.ceil((1 - tail) * (resamples - 1))]

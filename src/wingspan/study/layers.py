@@ -208,6 +208,8 @@ class SettingResult:
     eval: dict[str, dict[str, dict[str, Any]]]
     # decoder -> draft seconds per drafted token / target seconds per plain-decoded token, over all sets
     draft_cost: dict[str, float | None]
+    # decoder -> set -> (prompt id, rounds, accepted drafts) per prompt: what the bootstrap intervals resample
+    prompts: dict[str, dict[str, list[tuple[str, int, int]]]]
 
 
 def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[SettingResult]:
@@ -222,6 +224,7 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
         metrics = [json.loads(line) for line in (directory / "run" / "metrics.jsonl").read_text().splitlines()]
         evals: dict[str, dict[str, dict[str, Any]]] = {}
         cost: dict[str, float | None] = {}
+        prompts: dict[str, dict[str, list[tuple[str, int, int]]]] = {}
         for decoder in DECODERS:
             results = {}
             for name in prompt_sets:
@@ -230,8 +233,11 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
                     results[name] = json.loads(path.read_text())["result"]
             evals[decoder] = {name: {k: v for k, v in r.items() if k != "prompts"} for name, r in results.items()}
             cost[decoder] = draft_cost(list(results.values()))
+            prompts[decoder] = {name: [(p["id"], p["rounds"], sum(p["accepted_per_round"])) for p in r["prompts"]]
+                                for name, r in results.items()}  # fmt: skip
         rows.append(SettingResult(setting.name, setting.layers, setting.injection, parameters,
-                                  sum(m["tokens_per_s"] for m in metrics) / len(metrics), metrics[-1], evals, cost))  # fmt: skip
+                                  sum(m["tokens_per_s"] for m in metrics) / len(metrics), metrics[-1], evals, cost,
+                                  prompts))  # fmt: skip
     return rows
 
 

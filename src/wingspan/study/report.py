@@ -1,8 +1,10 @@
 """The study's results: results.json (every figure), report.md (tables, fits, what they say) and two plots.
 
 Across prompt sets, tau is pooled as the evaluation pools it within a set (all tokens over all rounds), and
-the speedup as all speculative tokens/s over all plain tokens/s. Rewritten after every setting, so a long
-study shows what it has measured so far.
+the speedup as all speculative tokens/s over all plain tokens/s. A pooled tau comes with a 95% prompt
+bootstrap interval (prompts resampled within their set), and first vs all at one depth with a paired one
+(the same prompts resampled for both), so a difference smaller than the sampling noise is called that.
+Rewritten after every setting, so a long study shows what it has measured so far.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from wingspan.config import to_dict
 from wingspan.eval.report import agg_figure, save_png, write_atomically
-from wingspan.study.fit import LogFit, fit_log_linear
+from wingspan.study.fit import LogFit, bootstrap_interval, fit_log_linear, prompts_tau
 from wingspan.study.layers import DECODERS, SettingResult, StudyConfig
 
 POOLED = "all sets"
@@ -52,6 +54,26 @@ def tau_of(row: SettingResult, decoder: str, prompt_set: str) -> float | None:
     if prompt_set == POOLED:
         return pooled_tau(sets)
     return sets[prompt_set]["acceptance_length"] if prompt_set in sets else None
+
+
+def tau_interval(row: SettingResult, decoder: str) -> tuple[float, float] | None:
+    """95% bootstrap interval of the pooled tau over the prompts this setting was evaluated on."""
+    strata = [[(rounds, accepted) for _, rounds, accepted in prompts] for prompts in row.prompts.get(decoder, {}).values()]
+    strata = [s for s in strata if s]
+    return bootstrap_interval(strata, prompts_tau) if strata else None
+
+
+def difference_interval(first: SettingResult, every: SettingResult, decoder: str) -> tuple[float, float] | None:
+    """95% paired bootstrap interval of tau(first) - tau(all): each resample draws the same prompts for both."""
+    strata = []
+    for name, prompts in first.prompts.get(decoder, {}).items():
+        other = {prompt_id: (rounds, accepted) for prompt_id, rounds, accepted in every.prompts.get(decoder, {}).get(name, [])}
+        pairs = [((rounds, accepted), other[prompt_id]) for prompt_id, rounds, accepted in prompts if prompt_id in other]
+        if pairs:
+            strata.append(pairs)
+    if not strata:
+        return None
+    return bootstrap_interval(strata, lambda pairs: prompts_tau([f for f, _ in pairs]) - prompts_tau([a for _, a in pairs]))
 
 
 def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -> list[FitRow]:
@@ -110,13 +132,13 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
     for decoder in DECODERS:
         title = f"chain of {config.num_draft_tokens}" if decoder == "chain" else tree
         lines += [f"## Acceptance length and speedup: {title}", ""]
-        header = ["setting", "D", "injection", "parameters", "draft cost", *set_names, POOLED, "speedup"]
+        header = ["setting", "D", "injection", "parameters", "draft cost", *set_names, POOLED, "95% CI", "speedup"]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for r in rows:
             sets = r.eval.get(decoder, {})
             cells = [r.name, str(r.layers), "both" if r.layers == 1 else r.injection, f"{r.parameters / 1e6:.1f} M",
                      fmt(r.draft_cost.get(decoder), 3), *(fmt(tau_of(r, decoder, s)) for s in set_names),
-                     fmt(pooled_tau(sets)), fmt(pooled_speedup(sets), 2, "x")]  # fmt: skip
+                     fmt(pooled_tau(sets)), interval_text(tau_interval(r, decoder)), fmt(pooled_speedup(sets), 2, "x")]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Acceptance per draft position (chain, pooled over sets)", "",
@@ -141,6 +163,10 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
         lines.append(f"| {r.name} | {fmt(r.train_final.get('loss_0'), 3)} | {accs} | "
                      f"{fmt(r.train_final.get('sim_accept_len'))} | {fmt(r.train_tokens_per_s, 0)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def interval_text(interval: tuple[float, float] | None) -> str:
+    return "n/a" if interval is None else f"[{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
 def steps(rows: list[SettingResult]) -> int:
@@ -177,7 +203,8 @@ def verdict(f: FitRow) -> str:
 
 
 def injection_verdicts(rows: list[SettingResult]) -> list[str]:
-    """first vs all at each depth where both exist: the pooled chain tau difference."""
+    """first vs all at each depth where both exist: the pooled chain tau difference and whether the prompt
+    sample can tell them apart."""
     by_key = {(r.layers, r.injection): r for r in rows}
     lines = []
     for depth in sorted({r.layers for r in rows if r.layers > 1}):
@@ -187,8 +214,14 @@ def injection_verdicts(rows: list[SettingResult]) -> list[str]:
         a, b = pooled_tau(first.eval.get("chain", {})), pooled_tau(every.eval.get("chain", {}))
         if a is None or b is None:
             continue
-        lines.append(f"- D = {depth}: chain tau {a:.3f} with embeddings into the first layer, {b:.3f} into all "
-                     f"({'first' if a > b else 'all'} ahead by {abs(a - b):.3f})")  # fmt: skip
+        line = (f"- D = {depth}: chain tau {a:.3f} with embeddings into the first layer, {b:.3f} into all "
+                f"({'first' if a > b else 'all'} ahead by {abs(a - b):.3f}")  # fmt: skip
+        interval = difference_interval(first, every, "chain")
+        if interval is not None:
+            low, high = interval
+            meaning = "within the sampling noise" if low <= 0 <= high else "larger than the sampling noise"
+            line += f"; first - all 95% paired CI [{low:+.3f}, {high:+.3f}], {meaning}"
+        lines.append(line + ")")
     return lines
 
 
