@@ -10,7 +10,7 @@ import pytest
 
 from wingspan.config import ConfigError
 from wingspan.study import layers as study_layers
-from wingspan.study.fit import bootstrap_interval, fit_log_linear, prompts_tau, t_cdf, t_quantile
+from wingspan.study.fit import bootstrap_interval, fit_log_linear, log_slope, prompts_tau, t_cdf, t_quantile
 from wingspan.study.layers import StudyConfig, open_study, run_study
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,6 +54,11 @@ def test_fit_needs_two_depths_and_gives_no_interval_for_two():
         fit_log_linear([2, 2], [1.2, 1.3])
     fit = fit_log_linear([1, 4], [1.2, 1.5])
     assert fit.b_interval is None and fit.r2 is None and fit.b == pytest.approx(0.3 / math.log(4))
+
+
+def test_log_slope_is_the_fits_b():
+    depths, taus = [1, 2, 3, 4, 6], [1.40, 1.46, 1.44, 1.52, 1.55]
+    assert log_slope(depths, taus) == pytest.approx(fit_log_linear(depths, taus).b)
 
 
 def test_prompts_tau_pools_all_rounds():
@@ -173,6 +178,8 @@ def test_every_setting_trains_on_the_same_budget_and_is_evaluated(tiny_study):
     report = (out / "report.md").read_text()
     assert "| D2-all | 2 | all |" in report and "## Fit: tau = a + b ln D" in report
     assert "| all sets | 95% CI | speedup |" in report and "first - all 95% paired CI" in report
+    assert "| 95% CI of b over depths | over prompts |" in report and "95% CI over prompts [" in report
+    assert all(low <= f["fit"]["b"] <= high for f in results["fits"] for low, high in [f["b_prompt_interval"]])
     prompt_ids = {name: [p[0] for p in by_name[name]["prompts"]["chain"]["counting"]] for name in by_name}
     assert len(prompt_ids["D1"]) == 2 and prompt_ids["D1"] == prompt_ids["D2-all"]  # paired by prompt
     for png in ("tau_vs_depth.png", "speedup_vs_depth.png"):

@@ -44,8 +44,7 @@ def fit_log_linear(depths: list[int], taus: list[float], confidence: float = 0.9
     xs = [math.log(d) for d in depths]
     mean_x, mean_y = sum(xs) / n, sum(taus) / n
     sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, taus))
-    b = sxy / sxx
+    b = log_slope(depths, taus)
     a = mean_y - b * mean_x
     residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, taus))
     total = sum((y - mean_y) ** 2 for y in taus)
@@ -57,6 +56,13 @@ def fit_log_linear(depths: list[int], taus: list[float], confidence: float = 0.9
     b_half = t * math.sqrt(variance / sxx)
     a_half = t * math.sqrt(variance * (1 / n + mean_x**2 / sxx))
     return LogFit(a, b, r2, n, confidence, (a - a_half, a + a_half), (b - b_half, b + b_half))
+
+
+def log_slope(depths: Sequence[int], taus: Sequence[float]) -> float:
+    """The least-squares b of tau = a + b ln(depth) alone: cheap enough to refit thousands of resamples."""
+    xs = [math.log(d) for d in depths]
+    mean_x, mean_y = sum(xs) / len(xs), sum(taus) / len(taus)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, taus)) / sum((x - mean_x) ** 2 for x in xs)
 
 
 def t_cdf(x: float, df: int) -> float:

@@ -18,7 +18,7 @@ from typing import Any
 
 from wingspan.config import to_dict
 from wingspan.eval.report import agg_figure, save_png, write_atomically
-from wingspan.study.fit import LogFit, bootstrap_interval, fit_log_linear, prompts_tau
+from wingspan.study.fit import LogFit, bootstrap_interval, fit_log_linear, log_slope, prompts_tau
 from wingspan.study.layers import DECODERS, SettingResult, StudyConfig
 
 POOLED = "all sets"
@@ -32,6 +32,9 @@ class FitRow:
     depths: list[int]
     taus: list[float]
     fit: LogFit
+    # b refitted over prompt resamples (the same prompts for every depth): the measurement noise that the
+    # fit's own interval, from the scatter around the line, does not see
+    b_prompt_interval: tuple[float, float] | None
 
 
 def pooled_tau(sets: dict[str, dict[str, Any]]) -> float | None:
@@ -82,14 +85,28 @@ def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -
     for decoder in DECODERS:
         for injection in config.injection:
             for prompt_set in [*set_names, POOLED]:
-                points = [(r.layers, tau_of(r, decoder, prompt_set)) for r in rows
-                          if r.injection == injection or r.layers == 1]  # fmt: skip
-                points = [(d, t) for d, t in points if t is not None]
-                if len({d for d, _ in points}) < 2:
+                series = [r for r in rows if (r.injection == injection or r.layers == 1)
+                          and tau_of(r, decoder, prompt_set) is not None]  # fmt: skip
+                if len({r.layers for r in series}) < 2:
                     continue
-                depths, taus = [d for d, _ in points], [t for _, t in points]
-                out.append(FitRow(decoder, injection, prompt_set, depths, taus, fit_log_linear(depths, taus)))
+                depths, taus = [r.layers for r in series], [tau_of(r, decoder, prompt_set) for r in series]
+                names = set_names if prompt_set == POOLED else [prompt_set]
+                out.append(FitRow(decoder, injection, prompt_set, depths, taus, fit_log_linear(depths, taus),
+                                  slope_interval(series, decoder, names)))  # fmt: skip
     return out
+
+
+def slope_interval(series: list[SettingResult], decoder: str, set_names: list[str]) -> tuple[float, float] | None:
+    """95% prompt-bootstrap interval of b: each resample draws the same prompts for every depth and refits."""
+    per_setting = [{(name, prompt_id): (rounds, accepted) for name, prompts in r.prompts.get(decoder, {}).items()
+                    if name in set_names for prompt_id, rounds, accepted in prompts} for r in series]  # fmt: skip
+    shared = set.intersection(*(set(p) for p in per_setting))
+    strata = [[key for key in sorted(shared) if key[0] == name] for name in set_names]
+    strata = [keys for keys in strata if keys]
+    if not strata:
+        return None
+    depths = [r.layers for r in series]
+    return bootstrap_interval(strata, lambda keys: log_slope(depths, [prompts_tau([p[k] for k in keys]) for p in per_setting]))
 
 
 def write_study_report(config: StudyConfig, out: Path, rows: list[SettingResult]) -> None:
@@ -147,12 +164,12 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
     for r in rows:
         lines.append(f"| {r.name} | " + " | ".join(fmt(v, 3) for v in pooled_positions(r, config.num_draft_tokens)) + " |")
     lines += ["", "## Fit: tau = a + b ln D", "",
-              "| decoder | injection | set | depths | a | b (95% CI) | gain per doubling | R^2 |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| decoder | injection | set | depths | a | b | 95% CI of b over depths | over prompts | "
+              "gain per doubling | R^2 |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for f in fit_rows:
-        interval = f" [{f.fit.b_interval[0]:.3f}, {f.fit.b_interval[1]:.3f}]" if f.fit.b_interval else ""
         lines.append(f"| {f.decoder} | {f.injection} | {f.prompt_set} | {','.join(map(str, f.depths))} | {f.fit.a:.3f} | "
-                     f"{f.fit.b:.3f}{interval} | {f.fit.b * math.log(2):+.3f} | {fmt(f.fit.r2, 3)} |")  # fmt: skip
+                     f"{f.fit.b:.3f} | {interval_text(f.fit.b_interval, 3)} | {interval_text(f.b_prompt_interval, 3)} | "
+                     f"{f.fit.b * math.log(2):+.3f} | {fmt(f.fit.r2, 3)} |")  # fmt: skip
     lines += ["", "## What the fits say (pooled over sets)", ""]
     lines += [verdict(f) for f in fit_rows if f.prompt_set == POOLED]
     lines += injection_verdicts(rows)
@@ -165,8 +182,8 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
     return "\n".join(lines) + "\n"
 
 
-def interval_text(interval: tuple[float, float] | None) -> str:
-    return "n/a" if interval is None else f"[{interval[0]:.2f}, {interval[1]:.2f}]"
+def interval_text(interval: tuple[float, float] | None, digits: int = 2) -> str:
+    return "n/a" if interval is None else f"[{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
 
 
 def steps(rows: list[SettingResult]) -> int:
@@ -185,17 +202,20 @@ def pooled_positions(row: SettingResult, positions: int) -> list[float | None]:
 
 
 def verdict(f: FitRow) -> str:
-    """A plain reading of one fit: is tau rising with ln D, and is the straight line a good description?"""
+    """A plain reading of one fit: is tau rising with ln D, beyond both the scatter around the line and the
+    prompt sampling noise, and is the straight line a good description?"""
     head = f"- {f.decoder}, embeddings into {f.injection}, D in {{{', '.join(map(str, f.depths))}}}: "
+    over_prompts = f"95% CI over prompts {interval_text(f.b_prompt_interval, 3)}"
     if f.fit.b_interval is None:
-        return head + f"b = {f.fit.b:.3f} from two depths only: no interval, no test of the shape."
-    low, high = f.fit.b_interval
-    if low > 0:
-        rise = f"tau rises with depth (b = {f.fit.b:.3f}, 95% CI [{low:.3f}, {high:.3f}] excludes 0)"
-    elif high < 0:
-        rise = f"tau falls with depth (b = {f.fit.b:.3f}, 95% CI [{low:.3f}, {high:.3f}])"
+        return head + f"b = {f.fit.b:.3f} ({over_prompts}) from two depths only: no test of the shape."
+    intervals = [f.fit.b_interval, *([f.b_prompt_interval] if f.b_prompt_interval else [])]
+    both = f"95% CI over depths {interval_text(f.fit.b_interval, 3)}, {over_prompts}"
+    if all(low > 0 for low, _ in intervals):
+        rise = f"tau rises with depth (b = {f.fit.b:.3f}; {both}: 0 excluded)"
+    elif all(high < 0 for _, high in intervals):
+        rise = f"tau falls with depth (b = {f.fit.b:.3f}; {both}: 0 excluded)"
     else:
-        rise = f"no significant trend (b = {f.fit.b:.3f}, 95% CI [{low:.3f}, {high:.3f}] contains 0)"
+        rise = f"no significant trend (b = {f.fit.b:.3f}; {both}: 0 inside at least one)"
     if f.fit.r2 is None:
         return head + rise + "; tau is the same at every depth."
     shape = ", the log-linear form fits well" if f.fit.r2 >= 0.8 else ", a poor log-linear fit"
