@@ -66,17 +66,23 @@ def tau_interval(row: SettingResult, decoder: str) -> tuple[float, float] | None
     return bootstrap_interval(strata, prompts_tau) if strata else None
 
 
-def difference_interval(first: SettingResult, every: SettingResult, decoder: str) -> tuple[float, float] | None:
+def paired_prompts(settings: list[SettingResult], decoder: str, set_names: list[str]):
+    """Each setting's (rounds, accepted) by (set, prompt id), and the keys they all share, one stratum per set:
+    what a paired bootstrap resamples, so that every setting is measured on the same prompts."""
+    per_setting = [{(name, prompt_id): (rounds, accepted) for name, prompts in r.prompts.get(decoder, {}).items()
+                    if name in set_names for prompt_id, rounds, accepted in prompts} for r in settings]  # fmt: skip
+    shared = set.intersection(*(set(p) for p in per_setting))
+    strata = [[key for key in sorted(shared) if key[0] == name] for name in set_names]
+    return per_setting, [keys for keys in strata if keys]
+
+
+def difference_interval(first: SettingResult, every: SettingResult, decoder: str,
+                        set_names: list[str]) -> tuple[float, float] | None:  # fmt: skip
     """95% paired bootstrap interval of tau(first) - tau(all): each resample draws the same prompts for both."""
-    strata = []
-    for name, prompts in first.prompts.get(decoder, {}).items():
-        other = {prompt_id: (rounds, accepted) for prompt_id, rounds, accepted in every.prompts.get(decoder, {}).get(name, [])}
-        pairs = [((rounds, accepted), other[prompt_id]) for prompt_id, rounds, accepted in prompts if prompt_id in other]
-        if pairs:
-            strata.append(pairs)
+    (a, b), strata = paired_prompts([first, every], decoder, set_names)
     if not strata:
         return None
-    return bootstrap_interval(strata, lambda pairs: prompts_tau([f for f, _ in pairs]) - prompts_tau([a for _, a in pairs]))
+    return bootstrap_interval(strata, lambda keys: prompts_tau([a[k] for k in keys]) - prompts_tau([b[k] for k in keys]))
 
 
 def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -> list[FitRow]:
@@ -98,11 +104,7 @@ def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -
 
 def slope_interval(series: list[SettingResult], decoder: str, set_names: list[str]) -> tuple[float, float] | None:
     """95% prompt-bootstrap interval of b: each resample draws the same prompts for every depth and refits."""
-    per_setting = [{(name, prompt_id): (rounds, accepted) for name, prompts in r.prompts.get(decoder, {}).items()
-                    if name in set_names for prompt_id, rounds, accepted in prompts} for r in series]  # fmt: skip
-    shared = set.intersection(*(set(p) for p in per_setting))
-    strata = [[key for key in sorted(shared) if key[0] == name] for name in set_names]
-    strata = [keys for keys in strata if keys]
+    per_setting, strata = paired_prompts(series, decoder, set_names)
     if not strata:
         return None
     depths = [r.layers for r in series]
@@ -172,7 +174,7 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
                      f"{f.fit.b * math.log(2):+.3f} | {fmt(f.fit.r2, 3)} |")  # fmt: skip
     lines += ["", "## What the fits say (pooled over sets)", ""]
     lines += [verdict(f) for f in fit_rows if f.prompt_set == POOLED]
-    lines += injection_verdicts(rows)
+    lines += injection_verdicts(rows, set_names)
     lines += ["", "## Training", "", "| setting | final loss_0 | " + " | ".join(f"acc_{j}" for j in range(steps(rows))) +
               " | simulated tau | train tok/s |", "|---|---|" + "---|" * (steps(rows) + 2)]  # fmt: skip
     for r in rows:
@@ -222,7 +224,7 @@ def verdict(f: FitRow) -> str:
     return head + rise + f"; R^2 = {f.fit.r2:.2f}{shape}."
 
 
-def injection_verdicts(rows: list[SettingResult]) -> list[str]:
+def injection_verdicts(rows: list[SettingResult], set_names: list[str]) -> list[str]:
     """first vs all at each depth where both exist: the pooled chain tau difference and whether the prompt
     sample can tell them apart."""
     by_key = {(r.layers, r.injection): r for r in rows}
@@ -236,7 +238,7 @@ def injection_verdicts(rows: list[SettingResult]) -> list[str]:
             continue
         line = (f"- D = {depth}: chain tau {a:.3f} with embeddings into the first layer, {b:.3f} into all "
                 f"({'first' if a > b else 'all'} ahead by {abs(a - b):.3f}")  # fmt: skip
-        interval = difference_interval(first, every, "chain")
+        interval = difference_interval(first, every, "chain", set_names)
         if interval is not None:
             low, high = interval
             meaning = "within the sampling noise" if low <= 0 <= high else "larger than the sampling noise"
