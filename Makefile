@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 # Fast tests only: make test PYTEST_ARGS='-m "not slow"'
 PYTEST_ARGS ?=
 
-.PHONY: quickstart test venv vllm-venv clean
+.PHONY: quickstart test lint venv vllm-venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,12 @@ vllm-venv: $(VLLM_VENV)/.installed
 quickstart: venv
 	$(VENV)/bin/wingspan quickstart
 
-test: venv vllm-venv
+# Style first (seconds): the formatter's layout and the linter's rules, as configured in pyproject.toml.
+lint: venv
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench
+
+test: lint vllm-venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean:

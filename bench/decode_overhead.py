@@ -57,8 +57,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", required=True, help="a wingspan draft directory or a vLLM export")
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--prompts", default=f"mt_bench={SHARED / 'data/eval/mt_bench.jsonl'}",
-                        help="a prompt set spec, as `wingspan eval --sets` takes (first turns are used)")  # fmt: skip
+    parser.add_argument(
+        "--prompts",
+        default=f"mt_bench={SHARED / 'data/eval/mt_bench.jsonl'}",
+        help="a prompt set spec, as `wingspan eval --sets` takes (first turns are used)",
+    )
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=3, help="the chain's drafts per round")
@@ -95,31 +98,46 @@ def main(argv: list[str]) -> None:
     plain = totals["plain"]
     plain_rate = plain.tokens / plain.total_s
     rows = {}
-    print(f"\n{args.target} ({args.dtype}, {args.threads} threads), draft {args.draft}, "
-          f"{len(prompt_ids)} prompts x {args.max_new_tokens} new tokens, batch 1\n")  # fmt: skip
-    print(f"{'decoder':<16}{'tau':>6}{'tok/s':>8}{'ms/round':>10}{'target':>8}{'draft':>8}{'overhead':>10}"
-          f"{'achieved':>10}{'ideal':>8}")  # fmt: skip
+    print(
+        f"\n{args.target} ({args.dtype}, {args.threads} threads), draft {args.draft}, "
+        f"{len(prompt_ids)} prompts x {args.max_new_tokens} new tokens, batch 1\n"
+    )
+    print(
+        f"{'decoder':<16}{'tau':>6}{'tok/s':>8}{'ms/round':>10}{'target':>8}{'draft':>8}{'overhead':>10}"
+        f"{'achieved':>10}{'ideal':>8}"
+    )
     for name, t in totals.items():
         rounds = t.rounds or t.tokens  # plain decoding: one forward per token
         tau = (t.rounds + t.accepted) / t.rounds if t.rounds else 1.0
         rate = t.tokens / t.total_s
         ideal_rate = t.tokens / (t.target_s + t.draft_s)
         rows[name] = {
-            "tau": tau, "tokens": t.tokens, "tokens_per_s": rate, "ms_per_round": 1e3 * t.total_s / rounds,
-            "target_share": t.target_s / t.total_s, "draft_share": t.draft_s / t.total_s,
-            "overhead_share": t.overhead_s / t.total_s, "achieved_speedup": rate / plain_rate,
+            "tau": tau,
+            "tokens": t.tokens,
+            "tokens_per_s": rate,
+            "ms_per_round": 1e3 * t.total_s / rounds,
+            "target_share": t.target_s / t.total_s,
+            "draft_share": t.draft_s / t.total_s,
+            "overhead_share": t.overhead_s / t.total_s,
+            "achieved_speedup": rate / plain_rate,
             "ideal_speedup": ideal_rate / plain_rate,
-        }  # fmt: skip
+        }
         r = rows[name]
-        print(f"{name:<16}{tau:>6.3f}{rate:>8.1f}{r['ms_per_round']:>10.1f}{r['target_share']:>8.1%}"
-              f"{r['draft_share']:>8.1%}{r['overhead_share']:>10.1%}{r['achieved_speedup']:>9.2f}x"
-              f"{r['ideal_speedup']:>7.2f}x")  # fmt: skip
+        print(
+            f"{name:<16}{tau:>6.3f}{rate:>8.1f}{r['ms_per_round']:>10.1f}{r['target_share']:>8.1%}"
+            f"{r['draft_share']:>8.1%}{r['overhead_share']:>10.1%}{r['achieved_speedup']:>9.2f}x"
+            f"{r['ideal_speedup']:>7.2f}x"
+        )
     worst = max(r["overhead_share"] for name, r in rows.items() if name != "plain")
     verdict = "meets" if worst < OVERHEAD_GOAL else "MISSES"
-    print(f"\nengine overhead: at most {worst:.1%} of a round ({verdict} the < {OVERHEAD_GOAL:.0%} goal). "
-          "ideal = tokens / (target + draft forward time): the speedup with a free engine.")  # fmt: skip
+    print(
+        f"\nengine overhead: at most {worst:.1%} of a round ({verdict} the < {OVERHEAD_GOAL:.0%} goal). "
+        "ideal = tokens / (target + draft forward time): the speedup with a free engine."
+    )
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "decoders": rows}, indent=2))
+        args.json.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "decoders": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -60,23 +60,38 @@ MEMORY_GOAL = 2.0
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--data", default=str(SHARED / "data/train/sharegpt500_smollm2_regen.jsonl"),
-                        help="a conversation file (ShareGPT / OpenAI messages / EAGLE questions)")  # fmt: skip
+    parser.add_argument(
+        "--data",
+        default=str(SHARED / "data/train/sharegpt500_smollm2_regen.jsonl"),
+        help="a conversation file (ShareGPT / OpenAI messages / EAGLE questions)",
+    )
     parser.add_argument("--layers", default="1,3", help="draft decoder layers D, comma-separated")
     parser.add_argument("--seq", default="1024,2048", help="max lengths, comma-separated")
     parser.add_argument("--ttt", type=int, default=7, help="TTT steps")
     parser.add_argument("--batch-tokens", type=int, default=2048, help="micro-batch token budget (>= seq)")
-    parser.add_argument("--layouts", default="padded,packed", help="micro-batch layouts, comma-separated: padded, packed")
-    parser.add_argument("--batch-size-1", action="store_true",
-                        help="also run every setting with one conversation per micro-batch (SpecForge's batch 1)")
+    parser.add_argument(
+        "--layouts", default="padded,packed", help="micro-batch layouts, comma-separated: padded, packed"
+    )
+    parser.add_argument(
+        "--batch-size-1",
+        action="store_true",
+        help="also run every setting with one conversation per micro-batch (SpecForge's batch 1)",
+    )
     parser.add_argument("--draft-vocab", type=int, default=16384)
-    parser.add_argument("--steps", type=int, default=4,
-                        help="timed conversations per phase: this many micro-batch budgets' worth (batch 1: micro-batches)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=4,
+        help="timed conversations per phase: this many micro-batch budgets' worth (batch 1: micro-batches)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed ones before them, likewise")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-autocast", action="store_true", help="run the draft in fp32 (default: bf16 autocast)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="run the settings in this process (peak memory then covers the earlier settings too)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the settings in this process (peak memory then covers the earlier settings too)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # JSON spec of one setting; internal
     return parser.parse_args(argv)
@@ -153,14 +168,21 @@ def run_setting(spec: dict) -> dict:
     target = TargetModel.load(spec["target"], dtype="bfloat16")
     seq = spec["seq"]
     config = TrainConfig(
-        target=spec["target"], data=[spec["data"]], num_hidden_layers=spec["layers"],
-        draft_vocab_size=spec["draft_vocab"], max_length=seq, batch_tokens=max(spec["batch_tokens"], seq),
-        ttt_steps=spec["ttt"], autocast_bf16=spec["autocast"], num_threads=spec["threads"],
-    )  # fmt: skip
+        target=spec["target"],
+        data=[spec["data"]],
+        num_hidden_layers=spec["layers"],
+        draft_vocab_size=spec["draft_vocab"],
+        max_length=seq,
+        batch_tokens=max(spec["batch_tokens"], seq),
+        ttt_steps=spec["ttt"],
+        autocast_bf16=spec["autocast"],
+        num_threads=spec["threads"],
+    )
     device = target.device
     records = tokenized_dataset(config.data, target.tokenizer, seq)
-    vocab = build_draft_vocab(records, target.vocab_size, min(config.draft_vocab_size, target.vocab_size),
-                              always_include=target.eos_token_ids)  # fmt: skip
+    vocab = build_draft_vocab(
+        records, target.vocab_size, min(config.draft_vocab_size, target.vocab_size), always_include=target.eos_token_ids
+    )
     lengths = [len(r.input_ids) for r in records]
     order = list(range(len(records)))  # conversations in a seeded random order: a fair sample of the lengths
     random.Random(config.seed).shuffle(order)
@@ -185,13 +207,21 @@ def run_setting(spec: dict) -> dict:
     timed_slots = sum(m.attention_mask.numel() for m in micros[warmup:])
     step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16)
-    epoch_plans = {"padded": plan_padded(lengths, config.batch_tokens, config.seed, 0, config.shuffle),
-                   "packed": plan_packed(lengths, seq, config.batch_tokens, config.seed, 0, config.shuffle)}  # fmt: skip
-    result: dict = {"timed_micro_batches": len(micros) - warmup, "rows": [len(b) for b in batches],
-                    "timed_tokens": timed_tokens, "timed_padding": 1 - timed_tokens / timed_slots,
-                    "peak_reset": resettable, "phases": {},
-                    "epoch": {name: {"micro_batches": len(p), "padding": padding_fraction(p, lengths)}
-                              for name, p in epoch_plans.items()}}  # fmt: skip
+    epoch_plans = {
+        "padded": plan_padded(lengths, config.batch_tokens, config.seed, 0, config.shuffle),
+        "packed": plan_packed(lengths, seq, config.batch_tokens, config.seed, 0, config.shuffle),
+    }
+    result: dict = {
+        "timed_micro_batches": len(micros) - warmup,
+        "rows": [len(b) for b in batches],
+        "timed_tokens": timed_tokens,
+        "timed_padding": 1 - timed_tokens / timed_slots,
+        "peak_reset": resettable,
+        "phases": {},
+        "epoch": {
+            name: {"micro_batches": len(p), "padding": padding_fraction(p, lengths)} for name, p in epoch_plans.items()
+        },
+    }
 
     def phase(name: str, body, reset: bool = True) -> list:
         """Run body(k) on every micro-batch; time the ones after the warm-up; record tokens/s and peak RSS.
@@ -199,14 +229,20 @@ def run_setting(spec: dict) -> dict:
         if reset:
             reset_peak()
         outputs, seconds, cpu_seconds = [], 0.0, 0.0
-        for k in tqdm(range(len(micros)), desc=f"{spec['label']} {name}", unit="batch", leave=False, dynamic_ncols=True):
+        for k in tqdm(
+            range(len(micros)), desc=f"{spec['label']} {name}", unit="batch", leave=False, dynamic_ncols=True
+        ):
             started, cpu_started = time.perf_counter(), time.process_time()
             outputs.append(body(k))
             if k >= warmup:
                 seconds += time.perf_counter() - started
                 cpu_seconds += time.process_time() - cpu_started
-        result["phases"][name] = {"seconds": seconds, "tokens_per_s": timed_tokens / seconds, "peak_rss_gb": peak_gb(),
-                                  "tokens_per_cpu_s": timed_tokens / cpu_seconds}  # fmt: skip
+        result["phases"][name] = {
+            "seconds": seconds,
+            "tokens_per_s": timed_tokens / seconds,
+            "peak_rss_gb": peak_gb(),
+            "tokens_per_cpu_s": timed_tokens / cpu_seconds,
+        }
         return outputs
 
     def normaliser(micro):  # the trainer's: the step's counted positions per TTT step (one micro-batch here)
@@ -237,7 +273,9 @@ def run_setting(spec: dict) -> dict:
         draft = build_draft(target, config, vocab.d2t, vocab.t2d).to(device)
         model = TTTLoss(draft, config.ttt_steps, step_weights)  # parallelize() returns it as is on one process
         trainable = [p for p in draft.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW(
+            trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay
+        )
         sums = torch.zeros(3 * config.ttt_steps + 1, dtype=torch.float64)
 
         def step(k: int) -> float:
@@ -251,7 +289,12 @@ def run_setting(spec: dict) -> dict:
             with torch.autocast(**autocast):
                 out = model(batch, norm)
             out.loss.backward()
-            sums = sums + torch.cat([out.loss_sum, out.correct, out.count, out.count.new_tensor([int(micro.attention_mask.sum())])]).cpu()  # MetricLog.add
+            sums = (
+                sums
+                + torch.cat(
+                    [out.loss_sum, out.correct, out.count, out.count.new_tensor([int(micro.attention_mask.sum())])]
+                ).cpu()
+            )  # MetricLog.add
             clip_grad_norm_(trainable, config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -268,8 +311,12 @@ def run_setting(spec: dict) -> dict:
         write_dump(target, subset, identity, Path(tmp) / "dump", batch_tokens=config.batch_tokens)
         seconds = time.perf_counter() - started
         total_tokens = sum(tokens)
-        result["phases"]["dump"] = {"seconds": seconds, "tokens_per_s": total_tokens / seconds, "peak_rss_gb": peak_gb(),
-                                    "tokens": total_tokens}  # fmt: skip
+        result["phases"]["dump"] = {
+            "seconds": seconds,
+            "tokens_per_s": total_tokens / seconds,
+            "peak_rss_gb": peak_gb(),
+            "tokens": total_tokens,
+        }
         dump = HiddenStateDump(Path(tmp) / "dump")
         assert all(a.input_ids == b.input_ids for a, b in zip(dump.records, subset)), "dump records out of order"
         offline = DumpFeatures(dump, target, vocab.d2t)
@@ -283,7 +330,10 @@ def run_setting(spec: dict) -> dict:
 
 
 def settings(args: argparse.Namespace) -> list[dict]:
-    common = {k: getattr(args, k) for k in ("target", "data", "ttt", "batch_tokens", "draft_vocab", "steps", "warmup", "threads")}
+    common = {
+        k: getattr(args, k)
+        for k in ("target", "data", "ttt", "batch_tokens", "draft_vocab", "steps", "warmup", "threads")
+    }
     common["autocast"] = not args.no_autocast
     layouts = args.layouts.split(",")
     unknown = set(layouts) - {"padded", "packed"}
@@ -310,16 +360,28 @@ def summarise(spec: dict, r: dict) -> dict:
     a, b, c, d = (p[n]["tokens_per_s"] for n in ("target", "draft", "online", "offline"))
     parts = p["target"]["seconds"] + p["draft"]["seconds"]
     return {
-        "label": spec["label"], "layers": spec["layers"], "seq": spec["seq"], "layout": spec["layout"],
-        "timed_padding": r["timed_padding"], "timed_micro_batches": r["timed_micro_batches"], "epoch": r["epoch"],
-        "target_tps": a, "draft_tps": b, "parts_tps": 1 / (1 / a + 1 / b), "online_tps": c, "offline_tps": d,
+        "label": spec["label"],
+        "layers": spec["layers"],
+        "seq": spec["seq"],
+        "layout": spec["layout"],
+        "timed_padding": r["timed_padding"],
+        "timed_micro_batches": r["timed_micro_batches"],
+        "epoch": r["epoch"],
+        "target_tps": a,
+        "draft_tps": b,
+        "parts_tps": 1 / (1 / a + 1 / b),
+        "online_tps": c,
+        "offline_tps": d,
         "dump_tps": p["dump"]["tokens_per_s"],
-        "online_over_parts": p["online"]["seconds"] / parts, "offline_over_online": d / c,
-        "online_over_anchor": c / SPECFORGE_ANCHOR, "online_over_target": c / a,
-        "peak_online_gb": p["online"]["peak_rss_gb"], "peak_offline_gb": p["offline"]["peak_rss_gb"],
+        "online_over_parts": p["online"]["seconds"] / parts,
+        "offline_over_online": d / c,
+        "online_over_anchor": c / SPECFORGE_ANCHOR,
+        "online_over_target": c / a,
+        "peak_online_gb": p["online"]["peak_rss_gb"],
+        "peak_offline_gb": p["offline"]["peak_rss_gb"],
         "peak_dump_gb": p["dump"]["peak_rss_gb"],
         "cpu_tps": {n: p[n]["tokens_per_cpu_s"] for n in ("target", "draft", "online", "offline")},
-    }  # fmt: skip
+    }
 
 
 def verdict(ok: bool) -> str:
@@ -329,22 +391,31 @@ def verdict(ok: bool) -> str:
 def print_packing(rows: list[dict], batch_tokens: int) -> None:
     """Packed vs padded on the same conversations, per (D, seq), and each plan's padding over a whole epoch."""
     by_key = {(r["layers"], r["seq"], r["layout"]): r for r in rows}
-    pairs = [(by_key[k[:2] + ("padded",)], r) for k, r in by_key.items()
-             if k[2] == "packed" and k[:2] + ("padded",) in by_key]  # fmt: skip
+    pairs = [
+        (by_key[k[:2] + ("padded",)], r)
+        for k, r in by_key.items()
+        if k[2] == "packed" and k[:2] + ("padded",) in by_key
+    ]
     if not pairs:
         return
-    print("\npacking: packed / padded on the same conversations, non-pad tokens per wall second (per CPU second);"
-          "\npadding = share of micro-batch slots (rows x longest row) that are padding")
+    print(
+        "\npacking: packed / padded on the same conversations, non-pad tokens per wall second (per CPU second);"
+        "\npadding = share of micro-batch slots (rows x longest row) that are padding"
+    )
     for padded, packed in pairs:
-        ratios = ", ".join(f"{phase} {packed[f'{phase}_tps'] / padded[f'{phase}_tps']:.2f}x "
-                           f"({packed['cpu_tps'][phase] / padded['cpu_tps'][phase]:.2f}x)"
-                           for phase in ("online", "offline", "target", "draft"))  # fmt: skip
+        ratios = ", ".join(
+            f"{phase} {packed[f'{phase}_tps'] / padded[f'{phase}_tps']:.2f}x "
+            f"({packed['cpu_tps'][phase] / padded['cpu_tps'][phase]:.2f}x)"
+            for phase in ("online", "offline", "target", "draft")
+        )
         epoch = packed["epoch"]
-        print(f"  D={packed['layers']} seq={packed['seq']}: {ratios}\n"
-              f"    padding: timed {packed['timed_padding']:.1%} packed vs {padded['timed_padding']:.1%} padded "
-              f"({packed['timed_micro_batches']} vs {padded['timed_micro_batches']} micro-batches); a whole epoch "
-              f"{epoch['packed']['padding']:.1%} vs {epoch['padded']['padding']:.1%} ({epoch['packed']['micro_batches']} "
-              f"vs {epoch['padded']['micro_batches']} micro-batches of <= {max(batch_tokens, packed['seq'])} tokens)")  # fmt: skip
+        print(
+            f"  D={packed['layers']} seq={packed['seq']}: {ratios}\n"
+            f"    padding: timed {packed['timed_padding']:.1%} packed vs {padded['timed_padding']:.1%} padded "
+            f"({packed['timed_micro_batches']} vs {padded['timed_micro_batches']} micro-batches); a whole epoch "
+            f"{epoch['packed']['padding']:.1%} vs {epoch['padded']['padding']:.1%} ({epoch['packed']['micro_batches']} "
+            f"vs {epoch['padded']['micro_batches']} micro-batches of <= {max(batch_tokens, packed['seq'])} tokens)"
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -360,42 +431,60 @@ def main(argv: list[str]) -> None:
         raw.append({"spec": spec, "result": r})
         rows.append(summarise(spec, r))
 
-    print(f"\n{args.target} (bf16) -> EAGLE-3 draft, TTT {args.ttt}, draft vocab {args.draft_vocab}, "
-          f"{'fp32' if args.no_autocast else 'bf16 autocast'}, {args.threads} thread(s), timed: {args.steps} x "
-          f"{args.batch_tokens} tokens of conversations after {args.warmup} x {args.batch_tokens} warm-up (batch 1: "
-          f"{args.steps} after {args.warmup}), data {Path(args.data).name}")  # fmt: skip
-    print("tokens/s are non-pad tokens; parts = 1/(1/target + 1/draft), the online rate if it cost exactly the "
-          "target forward plus the draft's forward/backward; peak = phase's peak RSS "
-          f"({'one subprocess per setting' if not args.in_process else 'one process for all settings'})\n")
-    print(f"{'setting':<24}{'pad':>6}{'target':>8}{'draft':>8}{'parts':>8}{'online':>8}{'offline':>9}{'dump':>8}"
-          f"{'on/parts':>10}{'off/on':>8}{'on/223':>8}{'on/tgt':>8}{'peak on':>9}{'peak off':>9}")  # fmt: skip
+    print(
+        f"\n{args.target} (bf16) -> EAGLE-3 draft, TTT {args.ttt}, draft vocab {args.draft_vocab}, "
+        f"{'fp32' if args.no_autocast else 'bf16 autocast'}, {args.threads} thread(s), timed: {args.steps} x "
+        f"{args.batch_tokens} tokens of conversations after {args.warmup} x {args.batch_tokens} warm-up (batch 1: "
+        f"{args.steps} after {args.warmup}), data {Path(args.data).name}"
+    )
+    print(
+        "tokens/s are non-pad tokens; parts = 1/(1/target + 1/draft), the online rate if it cost exactly the "
+        "target forward plus the draft's forward/backward; peak = phase's peak RSS "
+        f"({'one subprocess per setting' if not args.in_process else 'one process for all settings'})\n"
+    )
+    print(
+        f"{'setting':<24}{'pad':>6}{'target':>8}{'draft':>8}{'parts':>8}{'online':>8}{'offline':>9}{'dump':>8}"
+        f"{'on/parts':>10}{'off/on':>8}{'on/223':>8}{'on/tgt':>8}{'peak on':>9}{'peak off':>9}"
+    )
     for r in rows:
-        print(f"{r['label']:<24}{r['timed_padding']:>6.1%}{r['target_tps']:>8.0f}{r['draft_tps']:>8.0f}{r['parts_tps']:>8.0f}"
-              f"{r['online_tps']:>8.0f}{r['offline_tps']:>9.0f}{r['dump_tps']:>8.0f}{r['online_over_parts']:>9.2f}x"
-              f"{r['offline_over_online']:>7.2f}x{r['online_over_anchor']:>7.2f}x{r['online_over_target']:>7.2f}x"
-              f"{r['peak_online_gb']:>7.2f}GB{r['peak_offline_gb']:>7.2f}GB")  # fmt: skip
+        print(
+            f"{r['label']:<24}{r['timed_padding']:>6.1%}{r['target_tps']:>8.0f}{r['draft_tps']:>8.0f}{r['parts_tps']:>8.0f}"
+            f"{r['online_tps']:>8.0f}{r['offline_tps']:>9.0f}{r['dump_tps']:>8.0f}{r['online_over_parts']:>9.2f}x"
+            f"{r['offline_over_online']:>7.2f}x{r['online_over_anchor']:>7.2f}x{r['online_over_target']:>7.2f}x"
+            f"{r['peak_online_gb']:>7.2f}GB{r['peak_offline_gb']:>7.2f}GB"
+        )
     print_packing(rows, args.batch_tokens)
 
     print()
     verdicts = {}
     worst = max(rows, key=lambda r: r["online_over_parts"])
     verdicts["online_overhead"] = worst["online_over_parts"] <= ONLINE_OVERHEAD_GOAL
-    print(f"online vs target + draft: at most {worst['online_over_parts']:.2f}x the time ({worst['label']}): "
-          f"{verdict(verdicts['online_overhead'])} the <= {ONLINE_OVERHEAD_GOAL}x goal")
+    print(
+        f"online vs target + draft: at most {worst['online_over_parts']:.2f}x the time ({worst['label']}): "
+        f"{verdict(verdicts['online_overhead'])} the <= {ONLINE_OVERHEAD_GOAL}x goal"
+    )
     worst = min(rows, key=lambda r: r["offline_over_online"])
     verdicts["offline_speedup"] = worst["offline_over_online"] >= OFFLINE_GOAL
-    print(f"offline vs online: at least {worst['offline_over_online']:.2f}x ({worst['label']}): "
-          f"{verdict(verdicts['offline_speedup'])} the >= {OFFLINE_GOAL}x goal")
+    print(
+        f"offline vs online: at least {worst['offline_over_online']:.2f}x ({worst['label']}): "
+        f"{verdict(verdicts['offline_speedup'])} the >= {OFFLINE_GOAL}x goal"
+    )
     anchor_rows = [r for r in rows if r["layers"] == 1 and r["seq"] == 1024]
     anchor = next((r for r in anchor_rows if r["layout"] == "bs1"), anchor_rows[0] if anchor_rows else None)
     if anchor:
         verdicts["specforge_anchor"] = anchor["online_over_anchor"] >= ANCHOR_GOAL
-        note = "" if anchor["layout"] == "bs1" else " (batch of tokens, not batch 1: pass --batch-size-1 for the anchor's setting)"
-        print(f"online vs SpecForge ({SPECFORGE_ANCHOR:.0f} tok/s, {SPECFORGE_RSS_GB} GB, D=1, TTT 7, len 1024, batch 1, "
-              f"2 cores): {anchor['online_tps']:.0f} tok/s = {anchor['online_over_anchor']:.2f}x, peak "
-              f"{anchor['peak_online_gb']:.2f} GB, {anchor['label']}{note}: {verdict(verdicts['specforge_anchor'])} the "
-              f">= {ANCHOR_GOAL}x goal; the same run is {anchor['online_over_target']:.2f}x this machine's "
-              f"target-forward-only rate ({anchor['target_tps']:.0f} tok/s)")  # fmt: skip
+        note = (
+            ""
+            if anchor["layout"] == "bs1"
+            else " (batch of tokens, not batch 1: pass --batch-size-1 for the anchor's setting)"
+        )
+        print(
+            f"online vs SpecForge ({SPECFORGE_ANCHOR:.0f} tok/s, {SPECFORGE_RSS_GB} GB, D=1, TTT 7, len 1024, batch 1, "
+            f"2 cores): {anchor['online_tps']:.0f} tok/s = {anchor['online_over_anchor']:.2f}x, peak "
+            f"{anchor['peak_online_gb']:.2f} GB, {anchor['label']}{note}: {verdict(verdicts['specforge_anchor'])} the "
+            f">= {ANCHOR_GOAL}x goal; the same run is {anchor['online_over_target']:.2f}x this machine's "
+            f"target-forward-only rate ({anchor['target_tps']:.0f} tok/s)"
+        )
     else:
         print("online vs SpecForge: no D=1, seq=1024 setting was run")
     for layout in sorted({r["layout"] for r in rows}):
@@ -404,15 +493,21 @@ def main(argv: list[str]) -> None:
             ratio = by_seq[2048]["peak_online_gb"] / by_seq[1024]["peak_online_gb"]
             key = f"memory_2048_vs_1024_{layout}"
             verdicts[key] = ratio < MEMORY_GOAL
-            print(f"peak memory D=3 ({layout}), seq 2048 / seq 1024 (online): "
-                  f"{by_seq[2048]['peak_online_gb']:.2f} / {by_seq[1024]['peak_online_gb']:.2f} GB = {ratio:.2f}x: "
-                  f"{verdict(verdicts[key])} the < {MEMORY_GOAL}x goal")  # fmt: skip
+            print(
+                f"peak memory D=3 ({layout}), seq 2048 / seq 1024 (online): "
+                f"{by_seq[2048]['peak_online_gb']:.2f} / {by_seq[1024]['peak_online_gb']:.2f} GB = {ratio:.2f}x: "
+                f"{verdict(verdicts[key])} the < {MEMORY_GOAL}x goal"
+            )
     if not any(k.startswith("memory") for k in verdicts):
         print("peak memory seq 2048 / 1024: needs D=3 at both lengths (--layers 3 --seq 1024,2048)")
     print("\n(wall-clock rates on a shared machine: compare the ratios, measured side by side, more than the rates)")
     if args.json:
-        out = {"args": {k: str(v) for k, v in vars(args).items() if k != "worker"}, "rows": rows,
-               "verdicts": verdicts, "raw": raw}  # fmt: skip
+        out = {
+            "args": {k: str(v) for k, v in vars(args).items() if k != "worker"},
+            "rows": rows,
+            "verdicts": verdicts,
+            "raw": raw,
+        }
         args.json.write_text(json.dumps(out, indent=2))
 
 

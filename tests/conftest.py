@@ -40,10 +40,17 @@ def tiny_llama_dir(smollm2_tokenizer, tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )  # fmt: skip
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
@@ -94,12 +101,17 @@ def counting_chat(tmp_path_factory):
     def make(n: int, spread: int) -> Path:
         path = tmp_path_factory.mktemp("data") / "chat.jsonl"
         rows = [
-            {"conversations": [
-                {"role": "user", "content": f"Count from {i} to {i + 3 + i % spread}, please."},
-                {"role": "assistant", "content": " ".join(str(k) for k in range(i, i + 4 + i % spread)) + ". Done!"},
-            ]}
+            {
+                "conversations": [
+                    {"role": "user", "content": f"Count from {i} to {i + 3 + i % spread}, please."},
+                    {
+                        "role": "assistant",
+                        "content": " ".join(str(k) for k in range(i, i + 4 + i % spread)) + ". Done!",
+                    },
+                ]
+            }
             for i in range(n)
-        ]  # fmt: skip
+        ]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return path
 

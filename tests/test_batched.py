@@ -208,9 +208,14 @@ def small_target(smollm2_tokenizer) -> TargetModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=SMALL_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(1)
         model = LlamaForCausalLM(config)
@@ -223,13 +228,25 @@ def test_a_batch_of_one_samples_as_batch_one(small_target):
     target, draft = small_target, small_draft(small_target)
     for seed in range(10):
         alone = speculative_generate(
-            target, draft, [3, 5, 7], 8, num_draft_tokens=2, stop_ids=[], temperature=0.9,
+            target,
+            draft,
+            [3, 5, 7],
+            8,
+            num_draft_tokens=2,
+            stop_ids=[],
+            temperature=0.9,
             generator=torch.Generator().manual_seed(seed),
-        )  # fmt: skip
+        )
         [row] = speculative_generate_batch(
-            target, draft, [[3, 5, 7]], 8, num_draft_tokens=2, stop_ids=[], temperature=0.9,
+            target,
+            draft,
+            [[3, 5, 7]],
+            8,
+            num_draft_tokens=2,
+            stop_ids=[],
+            temperature=0.9,
             generator=torch.Generator().manual_seed(seed),
-        )  # fmt: skip
+        )
         assert (row.tokens, row.accepted_per_round) == (alone.tokens, alone.accepted_per_round)
         plain = plain_generate(target, [3, 5, 7], 8, [], temperature=0.9, generator=torch.Generator().manual_seed(seed))
         [plain_row] = plain_generate_batch(

@@ -9,27 +9,41 @@ import pytest
 
 
 def wingspan(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wingspan", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "wingspan", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 @pytest.fixture
 def conversations(tmp_path) -> Path:
     path = tmp_path / "chat.jsonl"
     rows = [
-        {"id": f"c{i}", "conversations": [
-            {"role": "user", "content": f"Count from {i} to {i + 5}, please."},
-            {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 6)) + ". Done!"},
-        ]}
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"role": "user", "content": f"Count from {i} to {i + 5}, please."},
+                {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 6)) + ". Done!"},
+            ],
+        }
         for i in range(12)
-    ]  # fmt: skip
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def test_every_command_has_help():
-    for command in (["--help"], ["train", "--help"], ["dump", "--help"], ["export", "--help"], ["vocab", "--help"], ["quickstart", "--help"],
-                    ["models", "list", "--help"], ["models", "prepare", "--help"], ["data", "synth", "--help"],
-                    ["data", "regenerate", "--help"]):  # fmt: skip
+    for command in (
+        ["--help"],
+        ["train", "--help"],
+        ["dump", "--help"],
+        ["export", "--help"],
+        ["vocab", "--help"],
+        ["quickstart", "--help"],
+        ["models", "list", "--help"],
+        ["models", "prepare", "--help"],
+        ["data", "synth", "--help"],
+        ["data", "regenerate", "--help"],
+    ):
         result = wingspan(*command)
         assert result.returncode == 0, result.stderr
         assert "Usage" in result.stdout
@@ -37,9 +51,21 @@ def test_every_command_has_help():
 
 def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
     run = tmp_path / "run"
-    overrides = [f"target={tiny_llama_dir}", f"data=[{conversations}]", f"output_dir={run}", "target_dtype=float32",
-                 "num_hidden_layers=2", "draft_vocab_size=64", "max_steps=6", "save_every=3", "batch_tokens=1024",
-                 "ttt_steps=3", "log_every=3", "lr=1e-3", "tensorboard=true"]  # fmt: skip
+    overrides = [
+        f"target={tiny_llama_dir}",
+        f"data=[{conversations}]",
+        f"output_dir={run}",
+        "target_dtype=float32",
+        "num_hidden_layers=2",
+        "draft_vocab_size=64",
+        "max_steps=6",
+        "save_every=3",
+        "batch_tokens=1024",
+        "ttt_steps=3",
+        "log_every=3",
+        "lr=1e-3",
+        "tensorboard=true",
+    ]
     first = wingspan("train", *overrides)
     assert first.returncode == 0, first.stderr[-3000:]
     config = json.loads((run / "config.json").read_text())
@@ -65,18 +91,35 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
 
 def test_dump_then_train_from_it(tiny_llama_dir, tmp_path):
     conversations = tmp_path / "long.jsonl"  # ~9k tokens, 2 MB of features: two shards of --shard-mb 1
-    rows = [{"messages": [{"role": "user", "content": f"Count from {i}."},
-                          {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 60))}]}
-            for i in range(80)]  # fmt: skip
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Count from {i}."},
+                {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 60))},
+            ]
+        }
+        for i in range(80)
+    ]
     conversations.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    overrides = [f"target={tiny_llama_dir}", f"data=[{conversations}]", "target_dtype=float32", "max_length=128",
-                 "batch_tokens=1024", "num_hidden_layers=1", "draft_vocab_size=64", "max_steps=2", "ttt_steps=2"]  # fmt: skip
+    overrides = [
+        f"target={tiny_llama_dir}",
+        f"data=[{conversations}]",
+        "target_dtype=float32",
+        "max_length=128",
+        "batch_tokens=1024",
+        "num_hidden_layers=1",
+        "draft_vocab_size=64",
+        "max_steps=2",
+        "ttt_steps=2",
+    ]
     dump_dir = tmp_path / "dump"
     first = wingspan("dump", *overrides, "--out", str(dump_dir), "--shard-mb", "1", "--max-shards", "1")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "bytes/token" in first.stdout and "GB" in first.stdout
     unfinished = wingspan("train", *overrides, f"output_dir={tmp_path / 'early'}", "--from-dump", str(dump_dir))
-    assert unfinished.returncode == 2 and "unfinished dump" in unfinished.stderr and "Traceback" not in unfinished.stderr
+    assert (
+        unfinished.returncode == 2 and "unfinished dump" in unfinished.stderr and "Traceback" not in unfinished.stderr
+    )
     again = wingspan("dump", *overrides, "--out", str(dump_dir), "--shard-mb", "1", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
 
@@ -86,7 +129,9 @@ def test_dump_then_train_from_it(tiny_llama_dir, tmp_path):
     assert json.loads((run / "config.json").read_text())["from_dump"] == str(dump_dir)
     assert (run / "draft" / "model.safetensors").is_file()
 
-    mismatch = wingspan("train", *overrides, "max_length=256", f"output_dir={tmp_path / 'other'}", "--from-dump", str(dump_dir))
+    mismatch = wingspan(
+        "train", *overrides, "max_length=256", f"output_dir={tmp_path / 'other'}", "--from-dump", str(dump_dir)
+    )
     assert mismatch.returncode == 2
     assert "max_length: dump has 128, config has 256" in mismatch.stderr and "Traceback" not in mismatch.stderr
 

@@ -70,17 +70,25 @@ def test_shipped_first_turn_set_skips_records_without_a_user_turn():
 
 
 def test_sharegpt_normalisation(tmp_path):
-    path = write_jsonl(tmp_path / "chat.jsonl", [{"id": "a", "conversations": [
-        {"from": "gpt", "value": "leading reply, dropped"},
-        {"from": "system", "value": "be brief"},
-        {"from": "chatgpt", "value": "another leading reply"},
-        {"from": "human", "value": "part 1"},
-        {"from": "user", "value": "part 2"},
-        {"from": "gpt", "value": "   "},
-        {"from": "bard", "value": "answer 1"},
-        {"from": "model", "value": "answer 2"},
-        {"from": "Human", "value": "thanks"},
-    ]}])
+    path = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "id": "a",
+                "conversations": [
+                    {"from": "gpt", "value": "leading reply, dropped"},
+                    {"from": "system", "value": "be brief"},
+                    {"from": "chatgpt", "value": "another leading reply"},
+                    {"from": "human", "value": "part 1"},
+                    {"from": "user", "value": "part 2"},
+                    {"from": "gpt", "value": "   "},
+                    {"from": "bard", "value": "answer 1"},
+                    {"from": "model", "value": "answer 2"},
+                    {"from": "Human", "value": "thanks"},
+                ],
+            }
+        ],
+    )
     [c], report = read_conversations(path)
     assert (c.id, c.source) == ("a", f"{path}:1")
     assert roles(c) == ["system", "user", "assistant", "user"]
@@ -90,10 +98,13 @@ def test_sharegpt_normalisation(tmp_path):
 
 
 def test_openai_and_role_content_sharegpt(tmp_path):
-    path = write_jsonl(tmp_path / "chat.jsonl", [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-        {"id": 7, "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"id": 7, "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        ],
+    )
     conversations, _ = read_conversations(path, require_assistant=True)
     assert [roles(c) for c in conversations] == [["user", "assistant"]] * 2
     assert conversations[0].id == "chat-0" and conversations[1].id == "7"
@@ -134,8 +145,16 @@ BAD_LINES = [
     ('{"conversations": [', "malformed JSON", "not valid JSON"),
     ({"conversations": [{"from": "tool", "value": "x"}]}, "unknown role", "conversations[0].from: unknown role 'tool'"),
     ({"conversations": [{"from": "human"}]}, "missing field", "conversations[0]: missing field 'value'"),
-    ({"messages": [{"role": "user", "content": ["a"]}]}, "non-string content", "messages[0].content: expected a string, got list"),
-    ({"messages": [{"role": "user", "content": None}]}, "non-string content", "messages[0].content: expected a string, got null"),
+    (
+        {"messages": [{"role": "user", "content": ["a"]}]},
+        "non-string content",
+        "messages[0].content: expected a string, got list",
+    ),
+    (
+        {"messages": [{"role": "user", "content": None}]},
+        "non-string content",
+        "messages[0].content: expected a string, got null",
+    ),
     ({"instruction": "x"}, "missing field", "missing field 'response' (or 'output')"),
     ({"text": "plain"}, "unknown format", "unknown record format (keys: text)"),
     ([1, 2], "not a JSON object", "expected a JSON object, got list"),
@@ -208,10 +227,13 @@ def test_missing_file_and_unknown_extension(tmp_path):
 
 
 def test_require_assistant_counts_prompt_only_conversations(tmp_path):
-    path = write_jsonl(tmp_path / "data.jsonl", [
-        {"turns": ["just a prompt"]},
-        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "data.jsonl",
+        [
+            {"turns": ["just a prompt"]},
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        ],
+    )
     conversations, report = read_conversations(path, strict=True, require_assistant=True)
     assert len(conversations) == 1 and report.counts == {"no assistant turn": 1}
     assert report.examples == [f"{path}:1: no assistant message to train on"]

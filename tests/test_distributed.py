@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import interrupted_copy
 import torch
 import torch.multiprocessing as mp
+from conftest import interrupted_copy
 from safetensors.torch import load_file
 
 from wingspan.config import TrainConfig, to_dict
@@ -56,18 +56,32 @@ def config_for(run: Path, target_dir, conversations, **overrides) -> TrainConfig
     # grad_accum=3 over 2 ranks: rank 1 runs one zero-weight micro-batch per step (the uneven case); the
     # 6 conversations fit in 2 micro-batches, so every step crosses an epoch boundary.
     fields = dict(
-        target=str(target_dir), data=[str(conversations)], output_dir=str(run), target_dtype="float32",
-        num_hidden_layers=2, draft_vocab_size=64, max_length=96, batch_tokens=192, ttt_steps=3, grad_accum=3,
-        lr=3e-3, warmup_ratio=0.2, max_steps=STEPS, save_every=3, log_every=1, num_threads=1,
-    )  # fmt: skip
+        target=str(target_dir),
+        data=[str(conversations)],
+        output_dir=str(run),
+        target_dtype="float32",
+        num_hidden_layers=2,
+        draft_vocab_size=64,
+        max_length=96,
+        batch_tokens=192,
+        ttt_steps=3,
+        grad_accum=3,
+        lr=3e-3,
+        warmup_ratio=0.2,
+        max_steps=STEPS,
+        save_every=3,
+        log_every=1,
+        num_threads=1,
+    )
     fields.update(overrides)
     return TrainConfig(**fields)
 
 
 def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, resume: bool) -> None:
     """One rank, set up as torchrun would set it up."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     with process_group():
         run_training(config, resume=resume)
 
@@ -160,8 +174,20 @@ def test_torchrun_trains_from_a_dump_like_one_process(target_dir, conversations,
 
     config = config_for(tmp_path / "two", target_dir, conversations, max_steps=3, parallel="fsdp")
     overrides = [f"{k}={json.dumps(v)}" for k, v in to_dict(config).items() if v != getattr(TrainConfig(), k)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "wingspan", "train", "--from-dump", str(dump), *overrides]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "wingspan",
+        "train",
+        "--from-dump",
+        str(dump),
+        *overrides,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -176,7 +202,12 @@ def test_torchrun_trains_from_a_dump_like_one_process(target_dir, conversations,
 def test_dump_refuses_torchrun(tmp_path):
     """N ranks would each write the same dump: `wingspan dump` says to run it in one process instead."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
-    result = subprocess.run([sys.executable, "-m", "wingspan", "dump", "--out", str(tmp_path / "dump")],
-                            capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "wingspan", "dump", "--out", str(tmp_path / "dump")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 2 and "runs in one process" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "dump").exists()

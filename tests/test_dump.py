@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from wingspan.config import ConfigError, TrainConfig, from_dict, read_mapping, to_dict
-from wingspan.data.conversations import DataError
-from wingspan.data.template import TokenizedConversation
 from wingspan.data.batching import collate
+from wingspan.data.conversations import DataError
 from wingspan.data.hidden_states import (
     MANIFEST,
     DumpIdentity,
@@ -21,6 +20,7 @@ from wingspan.data.hidden_states import (
     dump_identity,
     write_dump,
 )
+from wingspan.data.template import TokenizedConversation
 from wingspan.models.target import TargetModel
 from wingspan.pipeline import run_training, tokenized_dataset
 from wingspan.train.features import DumpFeatures, OnlineFeatures
@@ -50,18 +50,35 @@ def conversations(counting_chat):
 
 def config_for(tmp_path, tiny_llama_dir, conversations, **overrides) -> TrainConfig:
     fields = dict(
-        target=str(tiny_llama_dir), data=[str(conversations)], output_dir=str(tmp_path / "run"), target_dtype="float32",
-        num_hidden_layers=2, draft_vocab_size=64, max_length=64, batch_tokens=256, ttt_steps=3, lr=1e-3,
-        max_steps=4, save_every=2, log_every=1,
-    )  # fmt: skip
+        target=str(tiny_llama_dir),
+        data=[str(conversations)],
+        output_dir=str(tmp_path / "run"),
+        target_dtype="float32",
+        num_hidden_layers=2,
+        draft_vocab_size=64,
+        max_length=64,
+        batch_tokens=256,
+        ttt_steps=3,
+        lr=1e-3,
+        max_steps=4,
+        save_every=2,
+        log_every=1,
+    )
     fields.update(overrides)
     return TrainConfig(**fields)
 
 
 def dump(config: TrainConfig, target: TargetModel, out, **kwargs) -> DumpManifest:
     records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
-    return write_dump(target, records, dump_identity(config, target), out, batch_tokens=config.batch_tokens,
-                      shard_bytes=SHARD_BYTES, **kwargs)  # fmt: skip
+    return write_dump(
+        target,
+        records,
+        dump_identity(config, target),
+        out,
+        batch_tokens=config.batch_tokens,
+        shard_bytes=SHARD_BYTES,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +117,9 @@ def test_stored_features_are_the_targets_in_bf16(dumped, target):
         # bf16 storage: relative error 2^-9, and the dump's packed rows may differ from this lone forward
         # by float32 rounding before that.
         torch.testing.assert_close(aux.float(), out.aux_hidden, rtol=2**-8, atol=1e-5)
-        torch.testing.assert_close(last.float(), target.forward(ids, return_last_hidden=True).last_hidden, rtol=2**-8, atol=1e-5)
+        torch.testing.assert_close(
+            last.float(), target.forward(ids, return_last_hidden=True).last_hidden, rtol=2**-8, atol=1e-5
+        )
         assert torch.equal(argmax, out.logits.max(dim=-1).indices)
 
 
@@ -189,8 +208,15 @@ def test_training_from_a_dump_never_runs_the_target_and_matches_online(dumped, t
     run_training(online, target=target)
     calls = []
     monkeypatch.setattr(target, "forward", lambda *args, **kwargs: calls.append(args))
-    offline = config_for(tmp_path / "offline", config.target, config.data[0], epochs=3.0, max_steps=None,
-                         save_every=100, from_dump=str(directory))  # fmt: skip
+    offline = config_for(
+        tmp_path / "offline",
+        config.target,
+        config.data[0],
+        epochs=3.0,
+        max_steps=None,
+        save_every=100,
+        from_dump=str(directory),
+    )
     run_training(offline, target=target)
     assert calls == []  # three epochs, and the target never ran
 
@@ -212,7 +238,9 @@ def test_training_refuses_a_dump_of_other_settings(dumped, target, tmp_path, con
         ("max_length", 128, "max_length: dump has 64, config has 128"),
         ("target_dtype", "bfloat16", "target_dtype: dump has 'float32', config has 'bfloat16'"),
     ]:
-        other = TrainConfig(**{**to_dict(config), field: value, "from_dump": str(directory), "output_dir": str(tmp_path / field)})
+        other = TrainConfig(
+            **{**to_dict(config), field: value, "from_dump": str(directory), "output_dir": str(tmp_path / field)}
+        )
         with pytest.raises(DumpMismatchError, match=message):
             run_training(other, target=target)
     other_data = tmp_path / "other.jsonl"
@@ -231,9 +259,18 @@ def test_training_refuses_a_dump_of_other_settings(dumped, target, tmp_path, con
 def test_refuses_a_target_whose_logits_are_not_its_lm_head(tmp_path):
     from transformers import GraniteConfig, GraniteForCausalLM
 
-    config = GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, logits_scaling=4.0)  # fmt: skip
-    target = TargetModel(GraniteForCausalLM(config), SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "granite")
+    config = GraniteConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        logits_scaling=4.0,
+    )
+    target = TargetModel(
+        GraniteForCausalLM(config), SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "granite"
+    )
     records = [TokenizedConversation(list(range(3, 20)), [0] * 8 + [1] * 9)]
     identity = DumpIdentity("granite", "f", "t", target.aux_layer_ids, "float32", 64, [])
     with pytest.raises(ConfigError, match="granite: its logits are not lm_head"):

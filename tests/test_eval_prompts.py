@@ -84,8 +84,9 @@ def test_sharegpt_conversations_give_their_user_turns():
     path = DATA / "train" / "sharegpt500_smollm2_regen.jsonl"  # {"role", "content"} messages
     _, prompts = load_prompt_set(str(path), limit=3)
     rows = jsonl(path)[:3]
-    assert [p.turns for p in prompts] == [[m["content"] for m in r["conversations"] if m["role"] == "user"]
-                                          for r in rows]  # fmt: skip
+    assert [p.turns for p in prompts] == [
+        [m["content"] for m in r["conversations"] if m["role"] == "user"] for r in rows
+    ]
 
 
 def test_multi_turn_sharegpt_keeps_every_user_turn(tmp_path):
@@ -167,8 +168,10 @@ def test_hub_sets_read_from_local_copies(offline_datasets, tmp_path):
 
     # HuggingFaceH4/mt_bench_prompts: LMSYS's questions with `turns` renamed `prompt`, a hashed prompt_id.
     eagle = jsonl(EVAL / "mt_bench.jsonl")[:3]
-    rows = [{"prompt": q["turns"], "prompt_id": 1000 + i, "category": q["category"], "reference": []}
-            for i, q in enumerate(eagle)]  # fmt: skip
+    rows = [
+        {"prompt": q["turns"], "prompt_id": 1000 + i, "category": q["category"], "reference": []}
+        for i, q in enumerate(eagle)
+    ]
     mt_bench = hub_copy(tmp_path / "mt_bench", None, "train", rows)
     prompts = load_hub_set("mt_bench", dataset=str(mt_bench))
     expected = [(str(1000 + i), q["turns"], q["category"]) for i, q in enumerate(eagle)]

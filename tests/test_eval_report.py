@@ -72,8 +72,19 @@ def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 def test_cli_help(monkeypatch, capsys):
     code, out, _ = run_cli(monkeypatch, capsys, "eval", "--help")
     assert code == 0
-    for option in ("--target", "--draft", "--sets", "--out", "--num-draft-tokens", "--tree", "--max-new-tokens",
-                   "--temperature", "--limit", "--dtype", "--threads"):  # fmt: skip
+    for option in (
+        "--target",
+        "--draft",
+        "--sets",
+        "--out",
+        "--num-draft-tokens",
+        "--tree",
+        "--max-new-tokens",
+        "--temperature",
+        "--limit",
+        "--dtype",
+        "--threads",
+    ):
         assert option in out
 
 

@@ -86,8 +86,9 @@ def test_acceptance_per_position_on_constructed_rounds():
 
 def test_set_aggregates_weigh_rounds_not_prompts():
     long = prompt_result(PROMPTS[1], [turn([3, 3], [3, 3], 10, seconds=1.0)], [turn([], [], 10, 3.0)], compare=True)
-    short = prompt_result(PROMPTS[2], [turn([0] * 6, [3] * 6, 6, seconds=3.0, draft_s=1.0)],
-                          [turn([], [], 7, 3.0)], compare=True)  # fmt: skip
+    short = prompt_result(
+        PROMPTS[2], [turn([0] * 6, [3] * 6, 6, seconds=3.0, draft_s=1.0)], [turn([], [], 7, 3.0)], compare=True
+    )
     result = summarize("set", [long, short])
     assert result.rounds == 8
     assert result.acceptance_length == pytest.approx((8 + 6) / 8)  # all tokens / all rounds
@@ -134,8 +135,12 @@ def test_fp32_speculative_output_equals_greedy(target, draft):
 
 
 def test_tree_is_greedy_exact_and_sampling_is_seeded_per_prompt(target, draft):
-    tree = evaluate(target, draft, PROMPTS[1:], EvalSettings(tree_depth=3, tree_top_k=2, tree_total_tokens=8,
-                                                             max_new_tokens=10, warmup_prompts=0))  # fmt: skip
+    tree = evaluate(
+        target,
+        draft,
+        PROMPTS[1:],
+        EvalSettings(tree_depth=3, tree_top_k=2, tree_total_tokens=8, max_new_tokens=10, warmup_prompts=0),
+    )
     assert tree.outputs_differing == 0
     assert max(d for row in tree.prompts for d in row.drafted_per_round) == 3
     assert len(tree.acceptance_per_position) == 3
@@ -173,9 +178,14 @@ def test_each_decoder_continues_its_own_conversation(target, draft, monkeypatch)
     for which, row_replies in (("spec", result.prompts[0].replies), ("greedy", result.prompts[0].greedy_replies)):
         ids = [ids for name, ids in calls if name == which][:2]
         assert ids[0] == chat_prompt(target, [{"role": "user", "content": first}])
-        assert ids[1] == chat_prompt(target, [{"role": "user", "content": first},
-                                              {"role": "assistant", "content": row_replies[0]},
-                                              {"role": "user", "content": second}])  # fmt: skip
+        assert ids[1] == chat_prompt(
+            target,
+            [
+                {"role": "user", "content": first},
+                {"role": "assistant", "content": row_replies[0]},
+                {"role": "user", "content": second},
+            ],
+        )
         assert row_replies[0] in target.tokenizer.decode(ids[1])
     assert result.prompts[0].replies[0] != result.prompts[0].greedy_replies[0]
     assert result.outputs_differing == 2
@@ -205,9 +215,28 @@ def test_cli_writes_all_three_files(tiny_llama_dir, target, draft, tmp_path):
     draft.save(tmp_path / "draft")
     out = tmp_path / "eval"
     sets = f"mt={SHARED / 'data/eval/mt_bench.jsonl'},{SHARED / 'data/eval/gsm8k_80.jsonl'}"
-    command = [sys.executable, "-m", "wingspan", "eval", "--target", str(tiny_llama_dir), "--draft",
-               str(tmp_path / "draft"), "--sets", sets, "--limit", "2", "--max-new-tokens", "6", "--dtype", "fp32",
-               "--threads", "1", "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "wingspan",
+        "eval",
+        "--target",
+        str(tiny_llama_dir),
+        "--draft",
+        str(tmp_path / "draft"),
+        "--sets",
+        sets,
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--dtype",
+        "fp32",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

@@ -13,10 +13,20 @@ from wingspan.models.draft import Eagle3Draft
 
 def tiny_draft(layers: int, injection: str = "first", draft_vocab_size: int = 40, **overrides) -> Eagle3Draft:
     fields = dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        target_hidden_size=32, vocab_size=97, draft_vocab_size=draft_vocab_size, aux_layer_ids=[1, 2, 3],
-        num_hidden_layers=layers, embed_injection=injection, rope_theta=50000.0, rms_norm_eps=1e-6,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        target_hidden_size=32,
+        vocab_size=97,
+        draft_vocab_size=draft_vocab_size,
+        aux_layer_ids=[1, 2, 3],
+        num_hidden_layers=layers,
+        embed_injection=injection,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-6,
+    )
     fields.update(overrides)
     torch.manual_seed(layers)
     draft = Eagle3Draft(DraftConfig(**fields))

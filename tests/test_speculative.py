@@ -50,10 +50,17 @@ def make_draft(
     lm_head row of FAVOURED so that the draft proposes it often; favour=0 zeroes the whole lm_head, so
     every proposal is draft id 0 = FAVOURED (argmax of a tie is the first index)."""
     config = DraftConfig(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        target_hidden_size=32, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab,
-        aux_layer_ids=[1, 2, 3], num_hidden_layers=layers,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        target_hidden_size=32,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=[1, 2, 3],
+        num_hidden_layers=layers,
+    )
     generator = torch.Generator().manual_seed(seed)
     others = torch.randperm(target.vocab_size, generator=generator)
     others = others[others != FAVOURED][: draft_vocab - 1].sort().values
@@ -225,7 +232,10 @@ def test_tree_accepts_side_branches_and_keeps_the_greedy_tokens(predictable_targ
         tree = speculative_generate(target, draft, prompt, 24, stop_ids=[], tree=TreeShape(4, 3, 12))
         assert chain.tokens == tree.tokens == expected
         assert 1 + sum(a + 1 for a in tree.accepted_per_round) == len(expected)
-        chain_accepted, tree_accepted = chain_accepted + sum(chain.accepted_per_round), tree_accepted + sum(tree.accepted_per_round)
+        chain_accepted, tree_accepted = (
+            chain_accepted + sum(chain.accepted_per_round),
+            tree_accepted + sum(tree.accepted_per_round),
+        )
     assert any(side_branches)
     assert tree_accepted > chain_accepted > 0
 
@@ -294,9 +304,11 @@ def test_tree_nodes_follow_the_chain_semantics(target):
 def test_tree_verification_matches_plain_forwards(target):
     """The target's tree-masked logits at each node equal a plain forward over prompt + that node's path."""
     tree = DraftTree(
-        tokens=[11, 12, 13, 14, 15, 16], parents=[-1, -1, 0, 0, 1, 2], depths=[1, 1, 2, 2, 2, 3],
+        tokens=[11, 12, 13, 14, 15, 16],
+        parents=[-1, -1, 0, 0, 1, 2],
+        depths=[1, 1, 2, 2, 2, 3],
         proposals=[None] * 6,
-    )  # fmt: skip
+    )
     prompt = PROMPTS[0]
     cache = speculative.DynamicCache()
     speculative._target_step(target, prompt[:-1], cache)
@@ -346,9 +358,14 @@ def small_target(smollm2_tokenizer) -> TargetModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=SMALL_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(1)
         model = LlamaForCausalLM(config)
@@ -359,10 +376,17 @@ def small_target(smollm2_tokenizer) -> TargetModel:
 def small_draft(target: TargetModel) -> Eagle3Draft:
     """A draft over 8 of the 12 tokens: the other 4 have q = 0, so the residual must supply them."""
     config = DraftConfig(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        target_hidden_size=32, vocab_size=SMALL_VOCAB, draft_vocab_size=8, aux_layer_ids=[1, 2, 3],
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        target_hidden_size=32,
+        vocab_size=SMALL_VOCAB,
+        draft_vocab_size=8,
+        aux_layer_ids=[1, 2, 3],
         num_hidden_layers=2,
-    )  # fmt: skip
+    )
     with torch.random.fork_rng():
         torch.manual_seed(2)
         draft = Eagle3Draft(config)
@@ -410,9 +434,10 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: 
 
 @pytest.mark.parametrize("tree", [None, TreeShape(2, 3, 6)], ids=["chain", "tree"])
 def test_rejection_sampling_keeps_the_target_distribution(small_target, tree):
-    """Sampled speculative decoding of 4 tokens (the prefill token, then rounds of up to 2 drafts), 3000 times: the empirical joint of tokens 2-4 and each token's marginal fit the target's exact
-    distribution (chi-square, p > 1e-3 each). The draft's proposals alone are far from it: a sampler that
-    accepted every draft, or skipped the residual, fails these tests (checked by breaking the code)."""
+    """Sampled speculative decoding of 4 tokens (the prefill token, then rounds of up to 2 drafts), 3000 times:
+    the empirical joint of tokens 2-4 and each token's marginal fit the target's exact distribution (chi-square,
+    p > 1e-3 each). The draft's proposals alone are far from it: a sampler that accepted every draft, or
+    skipped the residual, fails these tests (checked by breaking the code)."""
     target, draft = small_target, small_draft(small_target)
     prompt, temperature, runs = [3, 5, 7], 0.9, 3000
     exact = exact_distribution(target, prompt, 4, temperature)
@@ -421,9 +446,16 @@ def test_rejection_sampling_keeps_the_target_distribution(small_target, tree):
     accepted = rejected = 0
     for _ in range(runs):
         result = speculative_generate(
-            target, draft, prompt, 4, num_draft_tokens=2, stop_ids=[], tree=tree, temperature=temperature,
+            target,
+            draft,
+            prompt,
+            4,
+            num_draft_tokens=2,
+            stop_ids=[],
+            tree=tree,
+            temperature=temperature,
             generator=generator,
-        )  # fmt: skip
+        )
         assert len(result.tokens) == 4
         counts[tuple(result.tokens)] += 1
         accepted += result.accepted_per_round[0]

@@ -136,11 +136,26 @@ def tiny_study(tiny_llama_dir, counting_chat, tmp_path_factory):
     prompts = out / "prompts.txt"
     prompts.write_text("Count from 3 to 9, please.\nCount from 10 to 14, please.\n")
     config = StudyConfig(
-        target=str(tiny_llama_dir), data=[str(counting_chat(16, spread=4))], budget_tokens=1500, layers=[1, 2],
-        injection=["first", "all"], sets=[f"counting={prompts}"], limit=2, tree=[2, 2, 4], max_new_tokens=8,
-        train=dict(target_dtype="float32", draft_vocab_size=64, max_length=64, batch_tokens=256, ttt_steps=2,
-                   lr=1e-3, log_every=1, save_every=2),
-    )  # fmt: skip
+        target=str(tiny_llama_dir),
+        data=[str(counting_chat(16, spread=4))],
+        budget_tokens=1500,
+        layers=[1, 2],
+        injection=["first", "all"],
+        sets=[f"counting={prompts}"],
+        limit=2,
+        tree=[2, 2, 4],
+        max_new_tokens=8,
+        train=dict(
+            target_dtype="float32",
+            draft_vocab_size=64,
+            max_length=64,
+            batch_tokens=256,
+            ttt_steps=2,
+            lr=1e-3,
+            log_every=1,
+            save_every=2,
+        ),
+    )
     run_study(config, out)
     return config, out
 
@@ -151,12 +166,19 @@ def test_every_setting_trains_on_the_same_budget_and_is_evaluated(tiny_study):
     assert [s["name"] for s in results["settings"]] == ["D1", "D2-first", "D2-all"]
     dump_tokens = json.loads((out / "shared/dump/manifest.json").read_text())
     dump_tokens = sum(s["num_tokens"] for s in dump_tokens["shards"])
-    runs = {s["name"]: json.loads((out / "settings" / s["name"] / "run/config.json").read_text()) for s in results["settings"]}
+    runs = {
+        s["name"]: json.loads((out / "settings" / s["name"] / "run/config.json").read_text())
+        for s in results["settings"]
+    }
     assert {r["epochs"] for r in runs.values()} == {1500 / dump_tokens}
     assert {r["from_dump"] for r in runs.values()} == {str(out / "shared/dump")}
-    assert [(r["num_hidden_layers"], r["embed_injection"]) for r in runs.values()] == [(1, "first"), (2, "first"), (2, "all")]
-    steps = {name: [json.loads(l)["step"] for l in (out / "settings" / name / "run/metrics.jsonl").read_text().splitlines()][-1]
-             for name in runs}  # fmt: skip
+    assert [(r["num_hidden_layers"], r["embed_injection"]) for r in runs.values()] == [
+        (1, "first"),
+        (2, "first"),
+        (2, "all"),
+    ]
+    metrics = {name: (out / "settings" / name / "run/metrics.jsonl").read_text().splitlines() for name in runs}
+    steps = {name: json.loads(lines[-1])["step"] for name, lines in metrics.items()}
     assert len(set(steps.values())) == 1  # same schedule
 
     by_name = {s["name"]: s for s in results["settings"]}
@@ -172,7 +194,9 @@ def test_every_setting_trains_on_the_same_budget_and_is_evaluated(tiny_study):
     keys = {(f["decoder"], f["injection"], f["prompt_set"]) for f in results["fits"]}
     assert keys == {(d, i, s) for d in ("chain", "tree") for i in ("first", "all") for s in ("counting", "all sets")}
     d1, d2 = by_name["D1"]["eval"]["chain"]["counting"], by_name["D2-all"]["eval"]["chain"]["counting"]
-    fit = next(f for f in results["fits"] if (f["decoder"], f["injection"], f["prompt_set"]) == ("chain", "all", "counting"))
+    fit = next(
+        f for f in results["fits"] if (f["decoder"], f["injection"], f["prompt_set"]) == ("chain", "all", "counting")
+    )
     assert fit["fit"]["b"] == pytest.approx((d2["acceptance_length"] - d1["acceptance_length"]) / math.log(2))
 
     report = (out / "report.md").read_text()
@@ -201,7 +225,9 @@ def test_rerun_retrains_and_reevaluates_nothing_and_extends_the_grid(tiny_study,
 
     monkeypatch.setattr(study_layers, "train_setting", spy_train)
     monkeypatch.setattr(study_layers, "evaluate", spy_evaluate)
-    monkeypatch.setattr("wingspan.pipeline.run_training", lambda *a, **k: pytest.fail("a finished setting was retrained"))
+    monkeypatch.setattr(
+        "wingspan.pipeline.run_training", lambda *a, **k: pytest.fail("a finished setting was retrained")
+    )
     run_study(config, out)
     assert len(trained) == 3 and evaluated == []
 
@@ -217,13 +243,44 @@ def test_rerun_retrains_and_reevaluates_nothing_and_extends_the_grid(tiny_study,
 
 def test_cli_runs_a_study_and_reports_bad_options(tmp_path, tiny_study):
     config, _ = tiny_study
-    command = [sys.executable, "-m", "wingspan", "study", "layers", "--data", config.data[0], "--budget-tokens", "600",
-               "--out", str(tmp_path / "s"), "--target", config.target, "--layers", "1", "--injection", "first",
-               "--sets", config.sets[0], "--limit", "1", "--tree", "2,2,4", "--max-new-tokens", "4", "--threads", "1",
-               *(f"{k}={v}" for k, v in config.train.items())]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "wingspan",
+        "study",
+        "layers",
+        "--data",
+        config.data[0],
+        "--budget-tokens",
+        "600",
+        "--out",
+        str(tmp_path / "s"),
+        "--target",
+        config.target,
+        "--layers",
+        "1",
+        "--injection",
+        "first",
+        "--sets",
+        config.sets[0],
+        "--limit",
+        "1",
+        "--tree",
+        "2,2,4",
+        "--max-new-tokens",
+        "4",
+        "--threads",
+        "1",
+        *(f"{k}={v}" for k, v in config.train.items()),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "report:" in done.stdout and (tmp_path / "s/report.md").exists()
-    bad = subprocess.run([*command[:-len(config.train)], "num_hidden_layers=3"], capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        [*command[: -len(config.train)], "num_hidden_layers=3"], capture_output=True, text=True, timeout=600
+    )
     assert bad.returncode == 2 and "set by the study itself" in bad.stderr and "Traceback" not in bad.stderr
-    assert subprocess.run([sys.executable, "-m", "wingspan", "study", "layers", "--help"], capture_output=True).returncode == 0
+    assert (
+        subprocess.run([sys.executable, "-m", "wingspan", "study", "layers", "--help"], capture_output=True).returncode
+        == 0
+    )

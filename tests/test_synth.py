@@ -111,8 +111,14 @@ def conversation(id: str, *turns: tuple[str, str]) -> Conversation:
 
 
 CONVERSATIONS = [
-    conversation("multi", ("system", "Be brief."), ("user", "Hello there"), ("assistant", "old 1"),
-                 ("user", "And then?"), ("assistant", "old 2")),  # fmt: skip
+    conversation(
+        "multi",
+        ("system", "Be brief."),
+        ("user", "Hello there"),
+        ("assistant", "old 1"),
+        ("user", "And then?"),
+        ("assistant", "old 2"),
+    ),
     conversation("prompts", ("user", "First question"), ("user", "Second question")),
     conversation("single", ("user", "A single question, a bit longer than the others are."), ("assistant", "old")),
     conversation("short", ("user", "Hi"), ("assistant", "old")),

@@ -58,8 +58,9 @@ def test_a_packed_row_gives_each_conversation_its_own_features(tiny, tiny_llama_
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation=attention)
     target = TargetModel(model, tiny.tokenizer, "tiny", aux_layer_ids=[0, 1, 3])
     generator = torch.Generator().manual_seed(1)
-    records = [TokenizedConversation(torch.randint(3, 1000, (n,), generator=generator).tolist(), [1] * n)
-               for n in (7, 4, 9, 5)]  # fmt: skip
+    records = [
+        TokenizedConversation(torch.randint(3, 1000, (n,), generator=generator).tolist(), [1] * n) for n in (7, 4, 9, 5)
+    ]
     micro = collate(records, [[0, 1, 2], [3]], pad_id=2)
     packed = target.forward(micro.input_ids, micro.causal_mask(), position_ids=micro.positions)
     packed_last = target.forward(micro.input_ids, micro.causal_mask(), True, micro.positions).last_hidden

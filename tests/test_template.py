@@ -114,7 +114,9 @@ def with_template(tokenizer, template: str, special_tokens: tuple[str, ...] = ()
 def llama3_tokenizer(smollm2_tokenizer):
     # A Llama 3 tokenizer has these as special tokens; the SmolLM2 vocabulary stands in for the rest.
     tokenizer = with_template(
-        smollm2_tokenizer, LLAMA3_TEMPLATE, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+        smollm2_tokenizer,
+        LLAMA3_TEMPLATE,
+        ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     )
     tokenizer.bos_token = "<|begin_of_text|>"
     return tokenizer
@@ -204,7 +206,10 @@ def test_mistral_template_moves_or_drops_the_system_prompt(smollm2_tokenizer):
 def test_template_that_rewrites_earlier_replies(smollm2_tokenizer):
     tokenizer = with_template(smollm2_tokenizer, REASONING_STRIPPING_TEMPLATE)
     c = conversation(
-        ("user", "q1"), ("assistant", "<think>scratch</think>answer one"), ("user", "q2"), ("assistant", "<think>more</think>two")
+        ("user", "q1"),
+        ("assistant", "<think>scratch</think>answer one"),
+        ("user", "q2"),
+        ("assistant", "<think>more</think>two"),
     )
     record = tokenize_conversation(tokenizer, c, max_length=4096)
     # The mask follows what the template renders: the reasoning it dropped is not trained on.
@@ -238,10 +243,14 @@ def test_tokenize_conversations_counts_what_it_drops(smollm2_tokenizer):
 
 def test_template_errors_are_counted_not_fatal(smollm2_tokenizer):
     # Gemma-style: the template refuses a system message.
-    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + (
-        smollm2_tokenizer.chat_template
+    refusing = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + (smollm2_tokenizer.chat_template)
     )
-    twice = "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}|{% endif %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    twice = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}|{% endif %}"
+        "{{ m['content'] }}<|im_end|>{% endfor %}"
+    )
     records, report = tokenize_conversations(with_template(smollm2_tokenizer, refusing), [MULTI_TURN, WITH_SYSTEM], 512)
     assert len(records) == 1 and report.counts == {"chat template error": 1}
     assert "System role not supported" in report.examples[0] and report.examples[0].startswith("test.jsonl:1")
@@ -260,7 +269,9 @@ def test_nothing_left_or_a_broken_template_is_an_error(smollm2_tokenizer):
 
 def test_tokenize_conversations_matches_one_at_a_time_and_is_fast(smollm2_tokenizer):
     many = [
-        conversation(("user", f"Question {i}: " + "why? " * (i % 50)), ("assistant", f"Answer {i}. " + "because " * (i % 300)))
+        conversation(
+            ("user", f"Question {i}: " + "why? " * (i % 50)), ("assistant", f"Answer {i}. " + "because " * (i % 300))
+        )
         for i in range(2000)
     ]
     start = time.perf_counter()

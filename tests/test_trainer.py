@@ -4,14 +4,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from conftest import interrupted_copy
 import torch
+from conftest import interrupted_copy
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from wingspan.config import ConfigError, TrainConfig
-from wingspan.models.target import TargetModel
 from wingspan.data.template import TokenizedConversation
+from wingspan.models.target import TargetModel
 from wingspan.train.trainer import learning_rate, train
 
 VOCAB = 128
@@ -23,8 +23,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny_target() -> TargetModel:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).float()
     model.model.norm.weight.data *= 10  # a confident target, so that matching it shows in the loss
@@ -47,8 +53,17 @@ def identity_vocab() -> tuple[torch.Tensor, torch.Tensor]:
 
 def config(tmp_path, **overrides) -> TrainConfig:
     fields = dict(
-        output_dir=str(tmp_path / "run"), num_hidden_layers=2, max_length=32, batch_tokens=64, ttt_steps=3,
-        lr=3e-3, warmup_ratio=0.05, max_steps=12, save_every=4, log_every=4, target_dtype="float32",
+        output_dir=str(tmp_path / "run"),
+        num_hidden_layers=2,
+        max_length=32,
+        batch_tokens=64,
+        ttt_steps=3,
+        lr=3e-3,
+        warmup_ratio=0.05,
+        max_steps=12,
+        save_every=4,
+        log_every=4,
+        target_dtype="float32",
     )
     fields.update(overrides)
     return TrainConfig(**fields)

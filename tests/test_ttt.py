@@ -15,9 +15,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_config(layers: int, injection: str = "first", **overrides) -> DraftConfig:
     fields = dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        target_hidden_size=24, vocab_size=97, draft_vocab_size=97, aux_layer_ids=[1, 2, 3],
-        num_hidden_layers=layers, embed_injection=injection,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        target_hidden_size=24,
+        vocab_size=97,
+        draft_vocab_size=97,
+        aux_layer_ids=[1, 2, 3],
+        num_hidden_layers=layers,
+        embed_injection=injection,
     )
     fields.update(overrides)
     return DraftConfig(**fields)
@@ -28,7 +36,9 @@ def arange_positions(ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(ids.shape[1]).expand_as(ids)
 
 
-def chain_logits(draft: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, origin: int, steps: int) -> list[torch.Tensor]:
+def chain_logits(
+    draft: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, origin: int, steps: int
+) -> list[torch.Tensor]:
     """Inference: prefill positions 0..origin from target features, then feed the draft its own hidden state."""
     caches = new_kv_caches(draft)
     positions = torch.arange(origin + 1)[None]
@@ -150,8 +160,14 @@ def test_loss_is_soft_cross_entropy_against_restricted_target():
     draft.d2t.copy_(torch.arange(40) * 2 - torch.arange(40))  # draft id i -> target id 2i
     ids = torch.randint(0, 97, (2, 9))
     full = torch.randn(2, 9, 97)  # the target's logits over its whole vocab; the batch holds the draft vocab's
-    batch = TTTBatch(ids, torch.ones(2, 9), arange_positions(ids), torch.randn(2, 9, 72), full[..., ::2][..., :40],
-                     full.max(dim=-1).indices)  # fmt: skip
+    batch = TTTBatch(
+        ids,
+        torch.ones(2, 9),
+        arange_positions(ids),
+        torch.randn(2, 9, 72),
+        full[..., ::2][..., :40],
+        full.max(dim=-1).indices,
+    )
     result = ttt_forward(draft, batch, steps=1, step_weights=[1.0])
     logits = draft.logits(next(unroll(draft, batch.aux_hidden, ids, batch.positions, 1)))
     target = torch.softmax(full[:, 1:8, ::2][..., :40], dim=-1)

@@ -68,15 +68,24 @@ def referee(default_target_dir: str, draft_dir: Path, out: Path, **options) -> d
 def mt_bench_bf16(default_target_dir, trained_draft_dir, tmp_path_factory) -> dict:
     """vLLM serving the quickstart draft on all 80 MT-bench first turns, bf16 (the training dtype), greedy."""
     out = tmp_path_factory.mktemp("referee") / "referee.json"
-    return referee(default_target_dir, trained_draft_dir, out, max_tokens=256, baseline=False, dtype="bfloat16", timeout=3000)
+    return referee(
+        default_target_dir, trained_draft_dir, out, max_tokens=256, baseline=False, dtype="bfloat16", timeout=3000
+    )
 
 
 def test_vllm_serves_the_exported_draft(default_target_dir, target, trained_draft_dir, tmp_path):
     # float32: in bf16 the greedy outputs with and without the draft legitimately differ (4-5 of these 8
     # prompts), always at an exact tie of the top-2 bf16 logits, as batch shapes change the rounding. In
     # float32 they are identical, so identity is asserted there.
-    result = referee(default_target_dir, trained_draft_dir, tmp_path / "referee.json",
-                     num_prompts=8, max_tokens=64, dtype="float32", timeout=900)  # fmt: skip
+    result = referee(
+        default_target_dir,
+        trained_draft_dir,
+        tmp_path / "referee.json",
+        num_prompts=8,
+        max_tokens=64,
+        dtype="float32",
+        timeout=900,
+    )
     assert result["num_prompts"] == 8
     assert result["drafts"] > 0
     assert result["draft_tokens"] == 3 * result["drafts"]
@@ -98,8 +107,10 @@ def test_quickstart_draft_speeds_up_mt_bench(mt_bench_bf16):
     (bf16), the quickstart draft reaches acceptance length >= 1.3 on MT-bench first turns."""
     result = mt_bench_bf16
     assert result["num_prompts"] == 80
-    print(f"vLLM acceptance length on MT-bench: {result['acceptance_length']:.3f}, per position "
-          f"{result['acceptance_rate_per_position']}")
+    print(
+        f"vLLM acceptance length on MT-bench: {result['acceptance_length']:.3f}, per position "
+        f"{result['acceptance_rate_per_position']}"
+    )
     assert result["acceptance_length"] >= 1.3
 
 
@@ -108,7 +119,9 @@ def test_wingspan_chain_tau_agrees_with_vllm(mt_bench_bf16, default_target_dir, 
     same export and K, reaches an acceptance length within 10% of vLLM's (both bf16, greedy)."""
     target, draft = load_models(default_target_dir, trained_draft_dir, "bfloat16")
     result = agreement(mt_bench_bf16, target, draft)
-    print(f"tau: vLLM {result.vllm_tau:.3f}, wingspan {result.wingspan_tau:.3f} ({result.relative_difference:+.1%}); "
-          f"per position vLLM {result.vllm_per_position}, wingspan {result.wingspan_per_position}")
+    print(
+        f"tau: vLLM {result.vllm_tau:.3f}, wingspan {result.wingspan_tau:.3f} ({result.relative_difference:+.1%}); "
+        f"per position vLLM {result.vllm_per_position}, wingspan {result.wingspan_per_position}"
+    )
     assert result.prompts == 80
     assert result.agrees, f"wingspan tau {result.wingspan_tau:.3f} vs vLLM {result.vllm_tau:.3f}"

@@ -103,7 +103,9 @@ def test_vocab_from_real_tokenized_conversations(smollm2_tokenizer):
     from wingspan.data.template import tokenize_conversations
 
     texts = ["The answer is 4.", "The answer is 5, not 4.", "Yes."]
-    conversations = [Conversation([Message("user", "Q?"), Message("assistant", t)], str(i), "x") for i, t in enumerate(texts)]
+    conversations = [
+        Conversation([Message("user", "Q?"), Message("assistant", t)], str(i), "x") for i, t in enumerate(texts)
+    ]
     records, _ = tokenize_conversations(smollm2_tokenizer, conversations, max_length=256)
     end_of_turn = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
     vocab = build_draft_vocab(records, len(smollm2_tokenizer), 32, always_include=[smollm2_tokenizer.eos_token_id])
@@ -117,7 +119,11 @@ def test_vocab_from_real_tokenized_conversations(smollm2_tokenizer):
 
 
 def write_vocab(path, tensors, target_vocab_size=12, coverage=1.0):
-    save_file(tensors, str(path), metadata={"draft_vocab": json.dumps({"target_vocab_size": target_vocab_size, "coverage": coverage})})
+    save_file(
+        tensors,
+        str(path),
+        metadata={"draft_vocab": json.dumps({"target_vocab_size": target_vocab_size, "coverage": coverage})},
+    )
     return path
 
 

@@ -22,8 +22,9 @@ def load_target(config: TrainConfig) -> TargetModel:
     """The run's target, on this rank's device (the CPU without torchrun); the draft trains next to it."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    return TargetModel.load(config.target, dtype=config.target_dtype, aux_layer_ids=config.aux_layer_ids,
-                            device=rank_device())
+    return TargetModel.load(
+        config.target, dtype=config.target_dtype, aux_layer_ids=config.aux_layer_ids, device=rank_device()
+    )
 
 
 def tokenized_dataset(paths: list[str], tokenizer, max_length: int) -> list[TokenizedConversation]:
@@ -36,8 +37,10 @@ def tokenized_dataset(paths: list[str], tokenizer, max_length: int) -> list[Toke
         tokenized, template_report = tokenize_conversations(tokenizer, conversations, max_length)
         records += tokenized
         skips = "; ".join(r.summary() for r in (read_report, template_report) if r.skipped)
-        print0(f"{path}: {len(tokenized)} conversations, {sum(len(r.input_ids) for r in tokenized)} tokens"
-               + (f"; {skips}" if skips else ""))
+        print0(
+            f"{path}: {len(tokenized)} conversations, {sum(len(r.input_ids) for r in tokenized)} tokens"
+            + (f"; {skips}" if skips else "")
+        )
     return records
 
 
@@ -46,15 +49,19 @@ def draft_vocab(config: TrainConfig, target: TargetModel, records: list[Tokenize
     if config.vocab:
         vocab = DraftVocab.load(config.vocab)
         if vocab.target_vocab_size != target.vocab_size:
-            raise DataError(f"{config.vocab}: built for a target vocab of {vocab.target_vocab_size}, "
-                            f"but {config.target} has {target.vocab_size}")
+            raise DataError(
+                f"{config.vocab}: built for a target vocab of {vocab.target_vocab_size}, "
+                f"but {config.target} has {target.vocab_size}"
+            )
         return vocab
     return build_vocab(target, records, config.draft_vocab_size, Path(config.output_dir) / "vocab.safetensors")
 
 
 def build_vocab(target: TargetModel, records: list[TokenizedConversation], size: int, path: Path) -> DraftVocab:
     """The `size` most frequent assistant tokens (end-of-turn ids always in), saved to `path`."""
-    vocab = build_draft_vocab(records, target.vocab_size, min(size, target.vocab_size), always_include=target.eos_token_ids)
+    vocab = build_draft_vocab(
+        records, target.vocab_size, min(size, target.vocab_size), always_include=target.eos_token_ids
+    )
     if current_world().is_main:  # under torchrun every rank builds the same vocab; one writes it
         vocab.save(path)
     print0(f"draft vocab: {vocab.draft_vocab_size} tokens cover {vocab.coverage:.1%} of assistant tokens -> {path}")
@@ -92,6 +99,13 @@ def run_dump(
 
     target = load_target(config)
     records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
-    return write_dump(target, records, dump_identity(config, target), out, batch_tokens=config.batch_tokens,
-                      shard_bytes=shard_mb << 20, resume=resume, max_shards=max_shards)  # fmt: skip
-
+    return write_dump(
+        target,
+        records,
+        dump_identity(config, target),
+        out,
+        batch_tokens=config.batch_tokens,
+        shard_bytes=shard_mb << 20,
+        resume=resume,
+        max_shards=max_shards,
+    )

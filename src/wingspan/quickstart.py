@@ -52,7 +52,14 @@ def run_quickstart(out: Path) -> Path:
     target = load_target(config)
 
     print(f"[2/4] synthesizing {SYNTH['num_conversations']} conversations with the target -> {data_path}")
-    synthesize(target, SYNTH["num_conversations"], data_path, batch_size=SYNTH["batch_size"], max_new_tokens=SYNTH["max_new_tokens"], seed=config.seed)
+    synthesize(
+        target,
+        SYNTH["num_conversations"],
+        data_path,
+        batch_size=SYNTH["batch_size"],
+        max_new_tokens=SYNTH["max_new_tokens"],
+        seed=config.seed,
+    )
 
     print("[3/4] draft vocab and training")
     resume = (Path(config.output_dir) / "checkpoints").exists()
@@ -62,19 +69,21 @@ def run_quickstart(out: Path) -> Path:
     export_dir = out / "vllm-draft"
     export_vllm(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), export_dir)
 
-    vocab = DraftVocab.load(Path(config.output_dir) / "vocab.safetensors")
+    vocab_path = Path(config.output_dir) / "vocab.safetensors"
+    vocab = DraftVocab.load(vocab_path)
     metrics = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
     last = metrics[-1]
     accuracies = "  ".join(f"acc_{j}={last[f'acc_{j}']:.3f}" for j in range(config.ttt_steps))
     minutes = (time.perf_counter() - started) / 60
+    serving = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": 3})
     print(f"""
 done in {minutes:.1f} min
   conversations : {data_path}
-  draft vocab   : {Path(config.output_dir) / 'vocab.safetensors'} ({vocab.draft_vocab_size} tokens, {vocab.coverage:.1%} coverage)
+  draft vocab   : {vocab_path} ({vocab.draft_vocab_size} tokens, {vocab.coverage:.1%} coverage)
   training run  : {config.output_dir} (metrics.jsonl, checkpoints/)
   draft         : {draft_dir}
   vLLM export   : {export_dir}
   last per-step accuracies (TTT, teacher tokens): {accuracies}
-  simulated acceptance length: {last['sim_accept_len']:.2f}
-serve it:  vllm serve {resolve_target(config.target)} --speculative-config '{{"method": "eagle3", "model": "{export_dir}", "num_speculative_tokens": 3}}'""")
+  simulated acceptance length: {last["sim_accept_len"]:.2f}
+serve it:  vllm serve {resolve_target(config.target)} --speculative-config '{serving}'""")
     return export_dir

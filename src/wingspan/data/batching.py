@@ -95,8 +95,11 @@ def plan_padded(lengths: list[int], batch_tokens: int, seed: int, epoch: int, sh
     order = list(range(len(lengths)))
     if shuffle:
         rng.shuffle(order)
-    order = [i for start in range(0, len(order), SORT_WINDOW)
-             for i in sorted(order[start : start + SORT_WINDOW], key=lengths.__getitem__)]  # fmt: skip
+    order = [
+        i
+        for start in range(0, len(order), SORT_WINDOW)
+        for i in sorted(order[start : start + SORT_WINDOW], key=lengths.__getitem__)
+    ]
     batches: Plan = []
     current: list[list[int]] = []
     longest = 0
@@ -124,8 +127,10 @@ def plan_packed(lengths: list[int], row_tokens: int, batch_tokens: int, seed: in
         raise ValueError(f"a packed row ({row_tokens} tokens) does not fit a micro-batch of {batch_tokens} tokens")
     too_long = [i for i, n in enumerate(lengths) if n > row_tokens]
     if too_long:
-        raise ValueError(f"{len(too_long)} records are longer than a packed row ({row_tokens} tokens, max_length), "
-                         f"e.g. record {too_long[0]} with {lengths[too_long[0]]} tokens")  # fmt: skip
+        raise ValueError(
+            f"{len(too_long)} records are longer than a packed row ({row_tokens} tokens, max_length), "
+            f"e.g. record {too_long[0]} with {lengths[too_long[0]]} tokens"
+        )
     rng = random.Random(seed * 100_003 + epoch)
     order = list(range(len(lengths)))
     if shuffle:

@@ -19,9 +19,10 @@ import gzip
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant"]
 

@@ -96,8 +96,11 @@ def target_fingerprint(target) -> str:
     another checkpoint or a fine-tune. The sample is rounded to bf16 first, so that the fingerprint does not
     depend on the dtype the target was loaded in (target_dtype is compared on its own)."""
     digest = hashlib.sha256()
-    config = {k: v for k, v in target.config.to_dict().items()
-              if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}  # fmt: skip
+    config = {
+        k: v
+        for k, v in target.config.to_dict().items()
+        if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")
+    }
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     tensors = {"embed": target.embed_weight(), "lm_head": target.lm_head_weight(), "norm": target.norm_weight()}
     for which, layer in (("first", target.layers[0]), ("last", target.layers[-1])):
@@ -142,17 +145,23 @@ def require_match(where: Path, dump: DumpIdentity, wanted: DumpIdentity, compare
     """Raise DumpMismatchError naming every field where the dump differs from what the config asks for."""
     differences = []
     if dump.target_fingerprint != wanted.target_fingerprint:
-        differences.append(f"target: dump has {dump.target!r} (fingerprint {dump.target_fingerprint[:12]}), "
-                           f"config has {wanted.target!r} (fingerprint {wanted.target_fingerprint[:12]})")
+        differences.append(
+            f"target: dump has {dump.target!r} (fingerprint {dump.target_fingerprint[:12]}), "
+            f"config has {wanted.target!r} (fingerprint {wanted.target_fingerprint[:12]})"
+        )
     if dump.template_fingerprint != wanted.template_fingerprint:
-        differences.append(f"chat template / tokenizer: dump has fingerprint {dump.template_fingerprint[:12]}, "
-                           f"config's target has {wanted.template_fingerprint[:12]}")
+        differences.append(
+            f"chat template / tokenizer: dump has fingerprint {dump.template_fingerprint[:12]}, "
+            f"config's target has {wanted.template_fingerprint[:12]}"
+        )
     for name in ("aux_layer_ids", "target_dtype", "max_length"):
         if getattr(dump, name) != getattr(wanted, name):
             differences.append(f"{name}: dump has {getattr(dump, name)!r}, config has {getattr(wanted, name)!r}")
     if compare_data and [d.sha256 for d in dump.data] != [d.sha256 for d in wanted.data]:
-        differences.append(f"data: dump has {[d.path for d in dump.data]}, config has {[d.path for d in wanted.data]} "
-                           "(compared by sha256)")
+        differences.append(
+            f"data: dump has {[d.path for d in dump.data]}, config has {[d.path for d in wanted.data]} "
+            "(compared by sha256)"
+        )
     if differences:
         raise DumpMismatchError(f"{where}: the dump does not match the config: " + "; ".join(differences))
 
@@ -216,13 +225,21 @@ def write_dump(
         require_match(out, manifest.identity, identity, compare_data=True)
         # Same identity, so the same records, unless tokenization itself changed (a tokenizers upgrade).
         planned = [(s.first_record, s.num_records, s.num_tokens) for s in manifest.shards]
-        same = sum(n for _, n, _ in planned) == len(records) and all(sum(lengths[a : a + n]) == t for a, n, t in planned)
+        same = sum(n for _, n, _ in planned) == len(records) and all(
+            sum(lengths[a : a + n]) == t for a, n, t in planned
+        )
         if not same:
             raise DataError(f"{out}: the data tokenizes differently from when this dump started; start a new dump")
     else:
         per_token = bytes_per_token(target.hidden_size, len(identity.aux_layer_ids))
-        manifest = DumpManifest(FORMAT_VERSION, identity, target.hidden_size, "last_hidden", per_token,
-                                plan_shards(lengths, max(1, shard_bytes // per_token)))  # fmt: skip
+        manifest = DumpManifest(
+            FORMAT_VERSION,
+            identity,
+            target.hidden_size,
+            "last_hidden",
+            per_token,
+            plan_shards(lengths, max(1, shard_bytes // per_token)),
+        )
         save_json(manifest, manifest_path)
     todo = [shard for shard in manifest.shards if not shard.done][:max_shards]
     print(describe(manifest, len(records), todo))
@@ -231,7 +248,9 @@ def write_dump(
 
     _check_logits_are_lm_head(target, records[todo[0].first_record])
     done_tokens = sum(s.num_tokens for s in manifest.shards if s.done)
-    progress = tqdm(total=manifest.num_tokens, initial=done_tokens, desc="dump", unit="tok", unit_scale=True, dynamic_ncols=True)
+    progress = tqdm(
+        total=manifest.num_tokens, initial=done_tokens, desc="dump", unit="tok", unit_scale=True, dynamic_ncols=True
+    )
     for shard in todo:
         shard_records = records[shard.first_record : shard.first_record + shard.num_records]
         tensors = shard_tensors(target, shard_records, identity.max_length, batch_tokens, progress)
@@ -263,8 +282,10 @@ def _check_logits_are_lm_head(target, record: TokenizedConversation) -> None:
     full = target.forward(ids).logits
     recomputed = target.model.get_output_embeddings()(target.forward(ids, return_last_hidden=True).last_hidden)
     if not torch.allclose(full.float(), recomputed.float(), rtol=1e-3, atol=1e-3):
-        raise ConfigError(f"{target.name}: its logits are not lm_head(final hidden state) (soft-capping or "
-                         "scaling?), so a dump cannot reproduce them; train online instead")
+        raise ConfigError(
+            f"{target.name}: its logits are not lm_head(final hidden state) (soft-capping or "
+            "scaling?), so a dump cannot reproduce them; train online instead"
+        )
 
 
 def shard_tensors(
@@ -279,8 +300,9 @@ def shard_tensors(
     top: list[torch.Tensor | None] = [None] * len(records)
     for batch in plan_packed(lengths, row_tokens, batch_tokens, seed=0, epoch=0, shuffle=False):
         micro = collate(records, batch, pad_id)
-        out = target.forward(micro.input_ids, micro.causal_mask(), return_last_hidden=True,
-                             position_ids=micro.positions)  # fmt: skip
+        out = target.forward(
+            micro.input_ids, micro.causal_mask(), return_last_hidden=True, position_ids=micro.positions
+        )
         # The target's own lm_head, as its forward applies it; max().indices, not argmax(): the latter has no
         # fast bf16 kernel on CPU.
         argmax = target.model.get_output_embeddings()(out.last_hidden).max(dim=-1).indices
@@ -316,8 +338,10 @@ class HiddenStateDump:
         self.manifest = read_manifest(self.path)
         unfinished = [s.file for s in self.manifest.shards if not s.done]
         if unfinished:
-            raise DataError(f"{self.path}: unfinished dump ({len(unfinished)} of {len(self.manifest.shards)} "
-                            "shards missing); continue it with `wingspan dump ... --resume`")
+            raise DataError(
+                f"{self.path}: unfinished dump ({len(unfinished)} of {len(self.manifest.shards)} "
+                "shards missing); continue it with `wingspan dump ... --resume`"
+            )
         self._shards = [safe_open(str(self.path / s.file), framework="pt") for s in self.manifest.shards]
         self.records: list[TokenizedConversation] = []
         self._where: list[tuple[int, int, int]] = []  # record -> (shard, first token, end token)
@@ -325,8 +349,10 @@ class HiddenStateDump:
             offsets = shard.get_tensor("record_offsets").tolist()
             ids, mask = shard.get_tensor("input_ids").tolist(), shard.get_tensor("loss_mask").tolist()
             if len(offsets) != info.num_records + 1 or len(ids) != info.num_tokens:
-                raise DataError(f"{self.path / info.file}: holds {len(offsets) - 1} records / {len(ids)} tokens, "
-                                f"the manifest says {info.num_records} / {info.num_tokens}")
+                raise DataError(
+                    f"{self.path / info.file}: holds {len(offsets) - 1} records / {len(ids)} tokens, "
+                    f"the manifest says {info.num_records} / {info.num_tokens}"
+                )
             for start, end in zip(offsets, offsets[1:]):
                 self.records.append(TokenizedConversation(ids[start:end], mask[start:end]))
                 self._where.append((number, start, end))
@@ -351,4 +377,3 @@ class HiddenStateDump:
                 argmax[r, span] = shard.get_slice("target_argmax")[start:end]
                 at = span.stop
         return aux, last, argmax
-

@@ -66,8 +66,13 @@ class ChatServer:
 
     def reply(self, messages: list[dict[str, str]], max_tokens: int, temperature: float, seed: int) -> str | None:
         """The assistant's reply to `messages`, or None when they no longer fit the server's context."""
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": temperature, "seed": seed}  # fmt: skip
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+        }
         try:
             return self._request("/chat/completions", body)["choices"][0]["message"]["content"]
         except ServerError as error:
@@ -76,8 +81,9 @@ class ChatServer:
             raise
 
 
-def reply_turn_by_turn(server: ChatServer, conversation: Conversation, max_new_tokens: int,
-                       temperature: float, seed: int) -> Conversation:  # fmt: skip
+def reply_turn_by_turn(
+    server: ChatServer, conversation: Conversation, max_new_tokens: int, temperature: float, seed: int
+) -> Conversation:
     """Answer each user turn after the target's own earlier replies; stop where the context is full.
     Sampling is seeded per conversation (seed, id), so a reply does not depend on what ran before it."""
     seed = random.Random(f"regenerate/{seed}/{conversation.id}").getrandbits(31)
@@ -118,7 +124,9 @@ def regenerate_via_server(
     pool = ThreadPoolExecutor(concurrency)  # at most `concurrency` requests in flight
     try:
         futures = [pool.submit(reply_turn_by_turn, server, c, max_new_tokens, temperature, seed) for c in todo]
-        with tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv") as bar:
+        with tqdm(
+            total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv"
+        ) as bar:
             for future in futures:  # in input order: the file does not depend on which reply came first
                 replied = future.result()
                 if replied.has_assistant_turn():

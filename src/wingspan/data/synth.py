@@ -43,7 +43,7 @@ def chat_prompt(target: TargetModel, messages: list[dict[str, str]]) -> list[int
 def user_turn_prefix(target: TargetModel) -> list[int]:
     """Everything the chat template writes before a first user message's content (default system
     prompt, role header), found by rendering a sentinel: works for any template."""
-    sentinel = "\uE000wingspan\uE000"
+    sentinel = "\ue000wingspan\ue000"
     text = target.tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
     if sentinel not in text:
         raise ValueError(f"{target.name}: the chat template does not render the user message's content")

@@ -342,7 +342,7 @@ def speculative_generate_batch(
     rows = [
         _Row(len(p), list(p) + [_pick(logits[b], temperature, generator)], SpecResult([], 1), aux[b, width - len(p) :])
         for b, p in enumerate(prompts)
-    ]  # fmt: skip
+    ]
     results = [row.result for row in rows]
     draft_caches = new_kv_caches(draft)
     draft_valid = torch.zeros(len(rows), 0, dtype=torch.bool, device=device)  # over the draft caches' slots
@@ -382,9 +382,11 @@ def speculative_generate_batch(
         for b, row in enumerate(rows):
             depth = depths[b]
             chain = DraftTree(
-                tokens=draft_lists[b][:depth], parents=list(range(-1, depth - 1)), depths=list(range(1, depth + 1)),
+                tokens=draft_lists[b][:depth],
+                parents=list(range(-1, depth - 1)),
+                depths=list(range(1, depth + 1)),
                 proposals=[None if q is None else q[b] for q in proposals[:depth]],
-            )  # fmt: skip
+            )
             path, next_token = _verify(chain, logits[b, : depth + 1], temperature, generator)
             accepted = len(path)
             # The root and the accepted drafts stay; the rejected (and padding) drafts become holes.

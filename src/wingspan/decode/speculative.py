@@ -109,7 +109,7 @@ class _Clock:
         self.seconds: dict[str, float] = {"target": 0.0, "draft": 0.0}
         self.part = ""
 
-    def __call__(self, part: str) -> "_Clock":
+    def __call__(self, part: str) -> _Clock:
         self.part = part
         return self
 
@@ -270,7 +270,9 @@ def _draft_tree(
         children, logp, q = _choose(draft, logits, shape.top_k, temperature, generator)
         proposals = [None] * len(parents) if q is None else list(q)
         new = []
-        for parent, tokens, token_logp, proposal in zip(parents, children.tolist(), logp.tolist(), proposals, strict=True):
+        for parent, tokens, token_logp, proposal in zip(
+            parents, children.tolist(), logp.tolist(), proposals, strict=True
+        ):
             base = scores[parent] if parent >= 0 else 0.0
             depth = tree.depths[parent] + 1 if parent >= 0 else 1
             for token, child_logp in zip(tokens, token_logp, strict=True):
@@ -287,7 +289,9 @@ def _draft_tree(
     for _ in range(shape.depth - 1):
         # Keep the top_k frontier nodes by score, then run them: each reads its parent's hidden state.
         frontier = sorted(frontier, key=lambda i: -scores[i])[: shape.top_k]
-        parent_hidden = torch.stack([hidden_of[tree.parents[i]] if tree.parents[i] >= 0 else root_hidden[0, -1] for i in frontier])
+        parent_hidden = torch.stack(
+            [hidden_of[tree.parents[i]] if tree.parents[i] >= 0 else root_hidden[0, -1] for i in frontier]
+        )
         ids = torch.tensor([[tree.tokens[i] for i in frontier]], device=device)
         positions = torch.tensor([[origin + tree.depths[i] for i in frontier]], device=device)
         past = caches[0].length
@@ -414,7 +418,9 @@ def speculative_generate(
                 projected = draft.project_aux(pending_aux[None].to(device, dtype))
                 root_hidden = draft(projected, ids, positions, draft_caches)[:, -1:]
             origin = first_unread + count - 1
-            drafts = _draft_tree(draft, root_hidden, origin, draft_caches, shape.shortened(depth), sample_drafts, generator, clock)
+            drafts = _draft_tree(
+                draft, root_hidden, origin, draft_caches, shape.shortened(depth), sample_drafts, generator, clock
+            )
             for cache in draft_caches:  # keep the step-0 keys only (positions 0..origin)
                 cache.crop(origin + 1)
 

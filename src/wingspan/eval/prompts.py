@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import importlib.resources
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from wingspan.config import ConfigError
 from wingspan.data.conversations import DataError, read_conversations
@@ -53,14 +54,20 @@ class HubSet:
 HUB_SETS: dict[str, HubSet] = {
     # MT-bench as HuggingFaceH4 publishes it: LMSYS's question file with `turns` renamed `prompt`.
     "mt_bench": HubSet(
-        "HuggingFaceH4/mt_bench_prompts", None, "train", ("prompt", "prompt_id", "category"),
+        "HuggingFaceH4/mt_bench_prompts",
+        None,
+        "train",
+        ("prompt", "prompt_id", "category"),
         lambda index, row: EvalPrompt(str(row["prompt_id"]), row["prompt"], row["category"]),
     ),
     "gsm8k": HubSet(
-        "openai/gsm8k", "main", "test", ("question",),
+        "openai/gsm8k",
+        "main",
+        "test",
+        ("question",),
         lambda index, row: EvalPrompt(f"gsm8k-test-{index}", [row["question"]]),
     ),
-}  # fmt: skip
+}
 NAMED_SETS = (*HUB_SETS, "humaneval")
 
 
@@ -118,9 +125,7 @@ def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
     conversations, report = read_conversations(path, strict=True)
     if report.skipped:
         print(f"{path}: {report.summary()}", file=sys.stderr)
-    return [
-        EvalPrompt(c.id, [m.content for m in c.messages if m.role == "user"], c.category) for c in conversations
-    ]
+    return [EvalPrompt(c.id, [m.content for m in c.messages if m.role == "user"], c.category) for c in conversations]
 
 
 def read_lines(path: Path) -> list[EvalPrompt]:
@@ -157,8 +162,10 @@ def load_hub_set(name: str, dataset: str | None = None, limit: int | None = None
         ) from None
     missing = [column for column in hub.columns if column not in rows.column_names]
     if missing:
-        raise DataError(f"{name}: {source} has no column(s) {missing} (it has {rows.column_names}); "
-                        f"expected the layout of {hub.dataset}")  # fmt: skip
+        raise DataError(
+            f"{name}: {source} has no column(s) {missing} (it has {rows.column_names}); "
+            f"expected the layout of {hub.dataset}"
+        )
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
     prompts = []

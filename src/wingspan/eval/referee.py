@@ -66,9 +66,24 @@ def run_vllm_referee(
     """vLLM's greedy run of the prompt file (first turns) with the exported draft; its result JSON."""
     if not Path(python).exists():
         raise FileNotFoundError(f"{python}: no vllm venv there (create it with `make vllm-venv`)")
-    command = [str(python), str(VLLM_REFEREE), "--target", str(target_dir), "--draft", str(draft_dir),
-               "--prompts", str(prompts), "--num-spec-tokens", str(num_spec_tokens),
-               "--max-tokens", str(max_tokens), "--dtype", dtype, "--out", str(out)]  # fmt: skip
+    command = [
+        str(python),
+        str(VLLM_REFEREE),
+        "--target",
+        str(target_dir),
+        "--draft",
+        str(draft_dir),
+        "--prompts",
+        str(prompts),
+        "--num-spec-tokens",
+        str(num_spec_tokens),
+        "--max-tokens",
+        str(max_tokens),
+        "--dtype",
+        dtype,
+        "--out",
+        str(out),
+    ]
     if num_prompts is not None:
         command += ["--num-prompts", str(num_prompts)]
     if not baseline:

@@ -16,12 +16,22 @@ from wingspan.config import to_dict
 from wingspan.eval import import_optional
 from wingspan.eval.runner import EvalSettings, SetResult
 
-COLUMNS = ("set", "prompts", "tau", "acceptance per position", "accepted/round", "spec tok/s", "greedy tok/s",
-           "speedup", "outputs differing")  # fmt: skip
+COLUMNS = (
+    "set",
+    "prompts",
+    "tau",
+    "acceptance per position",
+    "accepted/round",
+    "spec tok/s",
+    "greedy tok/s",
+    "speedup",
+    "outputs differing",
+)
 
 
-def write_report(out_dir: str | Path, sets: list[SetResult], settings: EvalSettings, *,
-                 target: str, draft: str, dtype: str) -> None:  # fmt: skip
+def write_report(
+    out_dir: str | Path, sets: list[SetResult], settings: EvalSettings, *, target: str, draft: str, dtype: str
+) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {
@@ -50,8 +60,11 @@ def write_atomically(path: Path, text: str) -> None:
 
 def decoding(settings: EvalSettings) -> str:
     tree = settings.tree
-    drafts = (f"tree (depth {tree.depth}, top-k {tree.top_k}, {tree.total_tokens} tokens)" if tree
-              else f"chain of {settings.num_draft_tokens} drafts")  # fmt: skip
+    drafts = (
+        f"tree (depth {tree.depth}, top-k {tree.top_k}, {tree.total_tokens} tokens)"
+        if tree
+        else f"chain of {settings.num_draft_tokens} drafts"
+    )
     sampling = f"temperature {settings.temperature:g}" if settings.temperature > 0 else "greedy"
     return f"{drafts}, {sampling}, up to {settings.max_new_tokens} new tokens per turn"
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -209,8 +209,9 @@ def summarize(name: str, rows: list[PromptResult]) -> SetResult:
 # ---------------------------------------------------------------------------------------------- decoding
 
 
-def run_conversation(target: TargetModel, decode: Decoder, turns: list[str], max_new_tokens: int,
-                     generator: torch.Generator | None) -> list[Turn]:  # fmt: skip
+def run_conversation(
+    target: TargetModel, decode: Decoder, turns: list[str], max_new_tokens: int, generator: torch.Generator | None
+) -> list[Turn]:
     """Ask each user turn after the decoder's own reply to the previous one."""
     messages: list[dict[str, str]] = []
     done = []
@@ -226,15 +227,24 @@ def run_conversation(target: TargetModel, decode: Decoder, turns: list[str], max
     return done
 
 
-def evaluate(target: TargetModel, draft: Eagle3Draft, prompts: list[EvalPrompt], settings: EvalSettings,
-             name: str = "prompts") -> SetResult:  # fmt: skip
+def evaluate(
+    target: TargetModel, draft: Eagle3Draft, prompts: list[EvalPrompt], settings: EvalSettings, name: str = "prompts"
+) -> SetResult:
     """Decode every prompt with the draft and without it, side by side, and measure (see the module docstring)."""
     tree, temperature = settings.tree, settings.temperature
     sampling = temperature > 0
 
     def speculative(ids: list[int], max_new_tokens: int, generator: torch.Generator | None) -> SpecResult:
-        return speculative_generate(target, draft, ids, max_new_tokens, settings.num_draft_tokens,
-                                    tree=tree, temperature=temperature, generator=generator)  # fmt: skip
+        return speculative_generate(
+            target,
+            draft,
+            ids,
+            max_new_tokens,
+            settings.num_draft_tokens,
+            tree=tree,
+            temperature=temperature,
+            generator=generator,
+        )
 
     def greedy(ids: list[int], max_new_tokens: int, generator: torch.Generator | None) -> SpecResult:
         # At temperature > 0 the baseline samples too: the speedup then compares like with like.
@@ -279,8 +289,10 @@ def load_models(target: str, draft: str | Path, dtype: str = "bfloat16") -> tupl
     elif (directory / "draft_config.json").is_file():
         config = load(DraftConfig, directory / "draft_config.json")
     else:
-        raise FileNotFoundError(f"{directory}: neither a wingspan draft (draft_config.json) "
-                                f"nor a vLLM export (config.json of {ARCHITECTURE})")  # fmt: skip
+        raise FileNotFoundError(
+            f"{directory}: neither a wingspan draft (draft_config.json) "
+            f"nor a vLLM export (config.json of {ARCHITECTURE})"
+        )
     model = TargetModel.load(target, dtype=dtype, aux_layer_ids=config.aux_layer_ids)
     if (config.target_hidden_size, config.vocab_size) != (model.hidden_size, model.vocab_size):
         raise ConfigError(
@@ -293,5 +305,9 @@ def load_models(target: str, draft: str | Path, dtype: str = "bfloat16") -> tupl
 def load_draft(directory: Path, target: TargetModel) -> Eagle3Draft:
     """A wingspan draft directory or a vLLM export, with `target`'s embeddings, on its device and in its dtype."""
     embed = target.embed_weight()
-    loaded = load_vllm_export(directory, embed) if is_vllm_export(directory) else Eagle3Draft.load(directory, embed_weight=embed)
+    loaded = (
+        load_vllm_export(directory, embed)
+        if is_vllm_export(directory)
+        else Eagle3Draft.load(directory, embed_weight=embed)
+    )
     return loaded.to(target.device, target.dtype).eval()

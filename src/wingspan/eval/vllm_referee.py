@@ -50,7 +50,9 @@ def read_prompts(path: Path, limit: int | None) -> list[str]:
                 record = json.loads(line)
                 prompts.append(record["turns"][0])
             except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise SystemExit(f"{path}:{number}: expected an EAGLE question {{'question_id', 'turns': [...]}}")
+                raise SystemExit(
+                    f"{path}:{number}: expected an EAGLE question {{'question_id', 'turns': [...]}}"
+                ) from None
         else:
             prompts.append(line)
         if limit is not None and len(prompts) == limit:

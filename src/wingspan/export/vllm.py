@@ -109,10 +109,19 @@ def draft_config_from_vllm(data: dict, where: str) -> DraftConfig:
     except (KeyError, TypeError):
         raise ExportError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is missing") from None
     fields = [
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "target_hidden_size", "vocab_size", "draft_vocab_size", "num_hidden_layers", "rms_norm_eps",
-        "max_position_embeddings", "hidden_act",
-    ]  # fmt: skip
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "target_hidden_size",
+        "vocab_size",
+        "draft_vocab_size",
+        "num_hidden_layers",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "hidden_act",
+    ]
     missing = [name for name in fields if name not in data]
     if missing:
         raise ExportError(f"{where}: missing field(s) {missing}")

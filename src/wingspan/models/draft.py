@@ -174,7 +174,9 @@ class Eagle3Draft(nn.Module):
         missing, unexpected = self.load_state_dict(state, strict=False)
         missing = [k for k in missing if k != "embed_tokens.weight"]
         if missing or unexpected:
-            raise ValueError(f"{source}: draft weights do not match the config: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"{source}: draft weights do not match the config: missing {missing}, unexpected {unexpected}"
+            )
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
@@ -187,7 +189,7 @@ class Eagle3Draft(nn.Module):
         (directory / "draft_config.json.tmp").replace(directory / "draft_config.json")
 
     @classmethod
-    def load(cls, directory: str | Path, embed_weight: torch.Tensor | None = None) -> "Eagle3Draft":
+    def load(cls, directory: str | Path, embed_weight: torch.Tensor | None = None) -> Eagle3Draft:
         """Load a saved draft; the frozen embeddings come from the target (`embed_weight`)."""
         directory = Path(directory)
         config = from_dict(DraftConfig, json.loads((directory / "draft_config.json").read_text()))

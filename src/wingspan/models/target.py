@@ -7,10 +7,10 @@ layers rather than output_hidden_states, which would keep all N+1 states alive a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from jinja2 import TemplateError
@@ -54,7 +54,7 @@ def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, role: str) -> int | None:
     """The special token the chat template writes right after a `role` message's content, if any
     (<|im_end|> for ChatML, <|eot_id|> for Llama 3, [/INST] after a Mistral user turn)."""
-    sentinel = "\uE000wingspan\uE000"  # private-use characters: no template or tokenizer merges them away
+    sentinel = "\ue000wingspan\ue000"  # private-use characters: no template or tokenizer merges them away
     messages = [{"role": "user", "content": sentinel}]
     if role == "assistant":
         messages.append({"role": "assistant", "content": sentinel})

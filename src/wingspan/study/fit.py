@@ -100,8 +100,13 @@ def prompts_tau(prompts: Sequence[tuple[int, int]]) -> float:
     return 1 + sum(a for _, a in prompts) / rounds
 
 
-def bootstrap_interval(strata: Sequence[Sequence[Item]], statistic: Callable[[list[Item]], float],
-                       confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:  # fmt: skip
+def bootstrap_interval(
+    strata: Sequence[Sequence[Item]],
+    statistic: Callable[[list[Item]], float],
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
     """Percentile interval of `statistic` over resamples that draw each stratum's items (prompts of one set)
     with replacement, as many as it has. Seeded, so a report says the same thing every time it is written."""
     if not all(strata):

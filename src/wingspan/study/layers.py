@@ -33,8 +33,17 @@ from wingspan.models.draft import Eagle3Draft
 INJECTIONS = ("first", "all")
 DECODERS = ("chain", "tree")
 # Fields the study sets per setting; a shared training config must leave them to it.
-PER_SETTING_FIELDS = ("data", "from_dump", "vocab", "output_dir", "num_hidden_layers", "embed_injection",
-                      "epochs", "max_steps", "target")  # fmt: skip
+PER_SETTING_FIELDS = (
+    "data",
+    "from_dump",
+    "vocab",
+    "output_dir",
+    "num_hidden_layers",
+    "embed_injection",
+    "epochs",
+    "max_steps",
+    "target",
+)
 # A re-run may extend these; everything else must equal the saved study.json.
 EXTENSIBLE_FIELDS = ("layers", "injection", "sets")
 
@@ -63,7 +72,11 @@ class StudyConfig:
             raise ConfigError(f"budget_tokens: must be >= 1, got {self.budget_tokens}")
         if not self.layers or min(self.layers) < 1 or len(set(self.layers)) != len(self.layers):
             raise ConfigError(f"layers: distinct depths >= 1 expected, got {self.layers}")
-        if not self.injection or not set(self.injection) <= set(INJECTIONS) or len(set(self.injection)) != len(self.injection):
+        if (
+            not self.injection
+            or not set(self.injection) <= set(INJECTIONS)
+            or len(set(self.injection)) != len(self.injection)
+        ):
             raise ConfigError(f"injection: distinct values among {list(INJECTIONS)} expected, got {self.injection}")
         if not self.sets:
             raise ConfigError("sets: at least one prompt set is needed")
@@ -82,8 +95,9 @@ class StudyConfig:
     def eval_settings(self, decoder: str) -> EvalSettings:
         tree = dict(zip(("tree_depth", "tree_top_k", "tree_total_tokens"), self.tree)) if decoder == "tree" else {}
         try:
-            return EvalSettings(num_draft_tokens=self.num_draft_tokens, max_new_tokens=self.max_new_tokens,
-                                limit=self.limit, **tree)  # fmt: skip
+            return EvalSettings(
+                num_draft_tokens=self.num_draft_tokens, max_new_tokens=self.max_new_tokens, limit=self.limit, **tree
+            )
         except ConfigError as error:
             raise ConfigError(f"{decoder} decoder: {error}") from None
 
@@ -115,8 +129,10 @@ def open_study(config: StudyConfig, out: Path) -> StudyConfig:
         current = to_dict(config)
         for name, value in current.items():
             if name not in EXTENSIBLE_FIELDS and saved.get(name) != value:
-                raise ConfigError(f"{path}: this study was started with {name}={saved.get(name)!r}, now "
-                                  f"{value!r}; use another output directory for a different study")  # fmt: skip
+                raise ConfigError(
+                    f"{path}: this study was started with {name}={saved.get(name)!r}, now "
+                    f"{value!r}; use another output directory for a different study"
+                )
     save_json(config, path)
     return config
 
@@ -139,18 +155,26 @@ def prepare_shared(config: StudyConfig, out: Path, target):
     else:
         build_vocab(target, records, base.draft_vocab_size, vocab_path)
     dump_dir = out / "shared" / "dump"
-    manifest = write_dump(target, records, dump_identity(base, target), dump_dir, batch_tokens=base.batch_tokens,
-                          resume=True)  # fmt: skip
+    manifest = write_dump(
+        target, records, dump_identity(base, target), dump_dir, batch_tokens=base.batch_tokens, resume=True
+    )
     return vocab_path, dump_dir, manifest.num_tokens
 
 
-def setting_train_config(config: StudyConfig, setting: Setting, out: Path, vocab_path: Path, dump_dir: Path,
-                         dump_tokens: int) -> TrainConfig:  # fmt: skip
+def setting_train_config(
+    config: StudyConfig, setting: Setting, out: Path, vocab_path: Path, dump_dir: Path, dump_tokens: int
+) -> TrainConfig:
     """The shared training config with this setting's depth and injection; the budget becomes epochs of the
     dump, so every setting sees the same tokens in the same order."""
-    fields = {**to_dict(config.base_train_config()), "from_dump": str(dump_dir), "vocab": str(vocab_path),
-              "output_dir": str(setting_dir(out, setting) / "run"), "num_hidden_layers": setting.layers,
-              "embed_injection": setting.injection, "epochs": config.budget_tokens / dump_tokens}  # fmt: skip
+    fields = {
+        **to_dict(config.base_train_config()),
+        "from_dump": str(dump_dir),
+        "vocab": str(vocab_path),
+        "output_dir": str(setting_dir(out, setting) / "run"),
+        "num_hidden_layers": setting.layers,
+        "embed_injection": setting.injection,
+        "epochs": config.budget_tokens / dump_tokens,
+    }
     return from_dict(TrainConfig, fields, where=setting.name)
 
 
@@ -169,8 +193,9 @@ def train_setting(config: TrainConfig, target) -> Path:
     return run_training(config, resume=(run_dir / "checkpoints").exists(), target=target)
 
 
-def evaluate_setting(config: StudyConfig, setting: Setting, draft_dir: Path, target, prompt_sets: dict[str, list[EvalPrompt]],
-                     out: Path) -> None:  # fmt: skip
+def evaluate_setting(
+    config: StudyConfig, setting: Setting, draft_dir: Path, target, prompt_sets: dict[str, list[EvalPrompt]], out: Path
+) -> None:
     """Every decoder on every prompt set; a (decoder, set) with a result on disk is not measured again."""
     draft = None
     for decoder in DECODERS:
@@ -184,7 +209,9 @@ def evaluate_setting(config: StudyConfig, setting: Setting, draft_dir: Path, tar
             print(f"[{setting.name}] {decoder} on {name}")
             result = evaluate(target, draft, prompts, settings, name=f"{setting.name} {decoder} {name}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, json.dumps({"settings": to_dict(settings), "result": to_dict(result)}, indent=1) + "\n")
+            write_atomically(
+                path, json.dumps({"settings": to_dict(settings), "result": to_dict(result)}, indent=1) + "\n"
+            )
 
 
 def first_turns(prompt_sets: dict[str, list[EvalPrompt]]) -> dict[str, list[EvalPrompt]]:
@@ -233,11 +260,23 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
                     results[name] = json.loads(path.read_text())["result"]
             evals[decoder] = {name: {k: v for k, v in r.items() if k != "prompts"} for name, r in results.items()}
             cost[decoder] = draft_cost(list(results.values()))
-            prompts[decoder] = {name: [(p["id"], p["rounds"], sum(p["accepted_per_round"])) for p in r["prompts"]]
-                                for name, r in results.items()}  # fmt: skip
-        rows.append(SettingResult(setting.name, setting.layers, setting.injection, parameters,
-                                  sum(m["tokens_per_s"] for m in metrics) / len(metrics), metrics[-1], evals, cost,
-                                  prompts))  # fmt: skip
+            prompts[decoder] = {
+                name: [(p["id"], p["rounds"], sum(p["accepted_per_round"])) for p in r["prompts"]]
+                for name, r in results.items()
+            }
+        rows.append(
+            SettingResult(
+                setting.name,
+                setting.layers,
+                setting.injection,
+                parameters,
+                sum(m["tokens_per_s"] for m in metrics) / len(metrics),
+                metrics[-1],
+                evals,
+                cost,
+                prompts,
+            )
+        )
     return rows
 
 
@@ -268,8 +307,10 @@ def run_study(config: StudyConfig, out: Path, threads: int | None = None) -> Pat
         torch.set_num_threads(threads)
     target = load_target(base)
     vocab_path, dump_dir, dump_tokens = prepare_shared(config, out, target)
-    print(f"budget: {config.budget_tokens:,} tokens per setting = {config.budget_tokens / dump_tokens:.2f} epochs of "
-          f"{dump_tokens:,} dumped tokens")  # fmt: skip
+    print(
+        f"budget: {config.budget_tokens:,} tokens per setting = {config.budget_tokens / dump_tokens:.2f} epochs of "
+        f"{dump_tokens:,} dumped tokens"
+    )
     grid = config.settings()
     for index, setting in enumerate(grid, start=1):
         print(f"[{index}/{len(grid)}] {setting.name}: {setting.layers} layer(s), embeddings into {setting.injection}")
@@ -277,4 +318,3 @@ def run_study(config: StudyConfig, out: Path, threads: int | None = None) -> Pat
         evaluate_setting(config, setting, draft_dir, target, prompt_sets, out)
         write_study_report(config, out, collect(config, out, list(prompt_sets)))
     return out / "report.md"
-

@@ -41,7 +41,9 @@ def pooled_tau(sets: dict[str, dict[str, Any]]) -> float | None:
     rounds = sum(r["rounds"] for r in sets.values() if r["acceptance_length"] is not None)
     if not rounds:
         return None
-    return sum(r["acceptance_length"] * r["rounds"] for r in sets.values() if r["acceptance_length"] is not None) / rounds
+    return (
+        sum(r["acceptance_length"] * r["rounds"] for r in sets.values() if r["acceptance_length"] is not None) / rounds
+    )
 
 
 def pooled_speedup(sets: dict[str, dict[str, Any]]) -> float | None:
@@ -49,7 +51,9 @@ def pooled_speedup(sets: dict[str, dict[str, Any]]) -> float | None:
         return None
     spec_s = sum(r["new_tokens"] / r["spec_tokens_per_s"] for r in sets.values())
     greedy_s = sum(r["greedy_new_tokens"] / r["greedy_tokens_per_s"] for r in sets.values())
-    return (sum(r["new_tokens"] for r in sets.values()) / spec_s) / (sum(r["greedy_new_tokens"] for r in sets.values()) / greedy_s)
+    return (sum(r["new_tokens"] for r in sets.values()) / spec_s) / (
+        sum(r["greedy_new_tokens"] for r in sets.values()) / greedy_s
+    )
 
 
 def tau_of(row: SettingResult, decoder: str, prompt_set: str) -> float | None:
@@ -61,7 +65,9 @@ def tau_of(row: SettingResult, decoder: str, prompt_set: str) -> float | None:
 
 def tau_interval(row: SettingResult, decoder: str) -> tuple[float, float] | None:
     """95% bootstrap interval of the pooled tau over the prompts this setting was evaluated on."""
-    strata = [[(rounds, accepted) for _, rounds, accepted in prompts] for prompts in row.prompts.get(decoder, {}).values()]
+    strata = [
+        [(rounds, accepted) for _, rounds, accepted in prompts] for prompts in row.prompts.get(decoder, {}).values()
+    ]
     strata = [s for s in strata if s]
     return bootstrap_interval(strata, prompts_tau) if strata else None
 
@@ -69,20 +75,30 @@ def tau_interval(row: SettingResult, decoder: str) -> tuple[float, float] | None
 def paired_prompts(settings: list[SettingResult], decoder: str, set_names: list[str]):
     """Each setting's (rounds, accepted) by (set, prompt id), and the keys they all share, one stratum per set:
     what a paired bootstrap resamples, so that every setting is measured on the same prompts."""
-    per_setting = [{(name, prompt_id): (rounds, accepted) for name, prompts in r.prompts.get(decoder, {}).items()
-                    if name in set_names for prompt_id, rounds, accepted in prompts} for r in settings]  # fmt: skip
+    per_setting = [
+        {
+            (name, prompt_id): (rounds, accepted)
+            for name, prompts in r.prompts.get(decoder, {}).items()
+            if name in set_names
+            for prompt_id, rounds, accepted in prompts
+        }
+        for r in settings
+    ]
     shared = set.intersection(*(set(p) for p in per_setting))
     strata = [[key for key in sorted(shared) if key[0] == name] for name in set_names]
     return per_setting, [keys for keys in strata if keys]
 
 
-def difference_interval(first: SettingResult, every: SettingResult, decoder: str,
-                        set_names: list[str]) -> tuple[float, float] | None:  # fmt: skip
+def difference_interval(
+    first: SettingResult, every: SettingResult, decoder: str, set_names: list[str]
+) -> tuple[float, float] | None:
     """95% paired bootstrap interval of tau(first) - tau(all): each resample draws the same prompts for both."""
     (a, b), strata = paired_prompts([first, every], decoder, set_names)
     if not strata:
         return None
-    return bootstrap_interval(strata, lambda keys: prompts_tau([a[k] for k in keys]) - prompts_tau([b[k] for k in keys]))
+    return bootstrap_interval(
+        strata, lambda keys: prompts_tau([a[k] for k in keys]) - prompts_tau([b[k] for k in keys])
+    )
 
 
 def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -> list[FitRow]:
@@ -91,14 +107,26 @@ def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -
     for decoder in DECODERS:
         for injection in config.injection:
             for prompt_set in [*set_names, POOLED]:
-                series = [r for r in rows if (r.injection == injection or r.layers == 1)
-                          and tau_of(r, decoder, prompt_set) is not None]  # fmt: skip
+                series = [
+                    r
+                    for r in rows
+                    if (r.injection == injection or r.layers == 1) and tau_of(r, decoder, prompt_set) is not None
+                ]
                 if len({r.layers for r in series}) < 2:
                     continue
                 depths, taus = [r.layers for r in series], [tau_of(r, decoder, prompt_set) for r in series]
                 names = set_names if prompt_set == POOLED else [prompt_set]
-                out.append(FitRow(decoder, injection, prompt_set, depths, taus, fit_log_linear(depths, taus),
-                                  slope_interval(series, decoder, names)))  # fmt: skip
+                out.append(
+                    FitRow(
+                        decoder,
+                        injection,
+                        prompt_set,
+                        depths,
+                        taus,
+                        fit_log_linear(depths, taus),
+                        slope_interval(series, decoder, names),
+                    )
+                )
     return out
 
 
@@ -108,7 +136,9 @@ def slope_interval(series: list[SettingResult], decoder: str, set_names: list[st
     if not strata:
         return None
     depths = [r.layers for r in series]
-    return bootstrap_interval(strata, lambda keys: log_slope(depths, [prompts_tau([p[k] for k in keys]) for p in per_setting]))
+    return bootstrap_interval(
+        strata, lambda keys: log_slope(depths, [prompts_tau([p[k] for k in keys]) for p in per_setting])
+    )
 
 
 def write_study_report(config: StudyConfig, out: Path, rows: list[SettingResult]) -> None:
@@ -155,32 +185,61 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for r in rows:
             sets = r.eval.get(decoder, {})
-            cells = [r.name, str(r.layers), "both" if r.layers == 1 else r.injection, f"{r.parameters / 1e6:.1f} M",
-                     fmt(r.draft_cost.get(decoder), 3), *(fmt(tau_of(r, decoder, s)) for s in set_names),
-                     fmt(pooled_tau(sets)), interval_text(tau_interval(r, decoder)), fmt(pooled_speedup(sets), 2, "x")]  # fmt: skip
+            cells = [
+                r.name,
+                str(r.layers),
+                "both" if r.layers == 1 else r.injection,
+                f"{r.parameters / 1e6:.1f} M",
+                fmt(r.draft_cost.get(decoder), 3),
+                *(fmt(tau_of(r, decoder, s)) for s in set_names),
+                fmt(pooled_tau(sets)),
+                interval_text(tau_interval(r, decoder)),
+                fmt(pooled_speedup(sets), 2, "x"),
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## Acceptance per draft position (chain, pooled over sets)", "",
-              "| setting | " + " | ".join(f"position {j}" for j in range(config.num_draft_tokens)) + " |",
-              "|---|" + "---|" * config.num_draft_tokens]  # fmt: skip
+    lines += [
+        "## Acceptance per draft position (chain, pooled over sets)",
+        "",
+        "| setting | " + " | ".join(f"position {j}" for j in range(config.num_draft_tokens)) + " |",
+        "|---|" + "---|" * config.num_draft_tokens,
+    ]
     for r in rows:
-        lines.append(f"| {r.name} | " + " | ".join(fmt(v, 3) for v in pooled_positions(r, config.num_draft_tokens)) + " |")
-    lines += ["", "## Fit: tau = a + b ln D", "",
-              "| decoder | injection | set | depths | a | b | 95% CI of b over depths | over prompts | "
-              "gain per doubling | R^2 |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {r.name} | " + " | ".join(fmt(v, 3) for v in pooled_positions(r, config.num_draft_tokens)) + " |"
+        )
+    lines += [
+        "",
+        "## Fit: tau = a + b ln D",
+        "",
+        "| decoder | injection | set | depths | a | b | 95% CI of b over depths | over prompts | "
+        "gain per doubling | R^2 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for f in fit_rows:
-        lines.append(f"| {f.decoder} | {f.injection} | {f.prompt_set} | {','.join(map(str, f.depths))} | {f.fit.a:.3f} | "
-                     f"{f.fit.b:.3f} | {interval_text(f.fit.b_interval, 3)} | {interval_text(f.b_prompt_interval, 3)} | "
-                     f"{f.fit.b * math.log(2):+.3f} | {fmt(f.fit.r2, 3)} |")  # fmt: skip
+        lines.append(
+            f"| {f.decoder} | {f.injection} | {f.prompt_set} | {','.join(map(str, f.depths))} | {f.fit.a:.3f} | "
+            f"{f.fit.b:.3f} | {interval_text(f.fit.b_interval, 3)} | {interval_text(f.b_prompt_interval, 3)} | "
+            f"{f.fit.b * math.log(2):+.3f} | {fmt(f.fit.r2, 3)} |"
+        )
     lines += ["", "## What the fits say (pooled over sets)", ""]
     lines += [verdict(f) for f in fit_rows if f.prompt_set == POOLED]
     lines += injection_verdicts(rows, set_names)
-    lines += ["", "## Training", "", "| setting | final loss_0 | " + " | ".join(f"acc_{j}" for j in range(steps(rows))) +
-              " | simulated tau | train tok/s |", "|---|---|" + "---|" * (steps(rows) + 2)]  # fmt: skip
+    lines += [
+        "",
+        "## Training",
+        "",
+        "| setting | final loss_0 | "
+        + " | ".join(f"acc_{j}" for j in range(steps(rows)))
+        + " | simulated tau | train tok/s |",
+        "|---|---|" + "---|" * (steps(rows) + 2),
+    ]
     for r in rows:
         accs = " | ".join(fmt(r.train_final.get(f"acc_{j}"), 3) for j in range(steps(rows)))
-        lines.append(f"| {r.name} | {fmt(r.train_final.get('loss_0'), 3)} | {accs} | "
-                     f"{fmt(r.train_final.get('sim_accept_len'))} | {fmt(r.train_tokens_per_s, 0)} |")  # fmt: skip
+        lines.append(
+            f"| {r.name} | {fmt(r.train_final.get('loss_0'), 3)} | {accs} | "
+            f"{fmt(r.train_final.get('sim_accept_len'))} | {fmt(r.train_tokens_per_s, 0)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -197,7 +256,9 @@ def pooled_positions(row: SettingResult, positions: int) -> list[float | None]:
     sets = row.eval.get("chain", {}).values()
     rates = []
     for j in range(positions):
-        weighted = [(s["acceptance_per_position"][j], s["rounds"]) for s in sets if len(s["acceptance_per_position"]) > j]
+        weighted = [
+            (s["acceptance_per_position"][j], s["rounds"]) for s in sets if len(s["acceptance_per_position"]) > j
+        ]
         total = sum(n for _, n in weighted)
         rates.append(sum(rate * n for rate, n in weighted) / total if total else None)
     return rates
@@ -236,8 +297,10 @@ def injection_verdicts(rows: list[SettingResult], set_names: list[str]) -> list[
         a, b = pooled_tau(first.eval.get("chain", {})), pooled_tau(every.eval.get("chain", {}))
         if a is None or b is None:
             continue
-        line = (f"- D = {depth}: chain tau {a:.3f} with embeddings into the first layer, {b:.3f} into all "
-                f"({'first' if a > b else 'all'} ahead by {abs(a - b):.3f}")  # fmt: skip
+        line = (
+            f"- D = {depth}: chain tau {a:.3f} with embeddings into the first layer, {b:.3f} into all "
+            f"({'first' if a > b else 'all'} ahead by {abs(a - b):.3f}"
+        )
         interval = difference_interval(first, every, "chain", set_names)
         if interval is not None:
             low, high = interval
@@ -250,23 +313,35 @@ def injection_verdicts(rows: list[SettingResult], set_names: list[str]) -> list[
 # ------------------------------------------------------------------------------------------------ plots
 
 
-def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow], set_names: list[str], out: Path) -> None:
+def plot(
+    config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow], set_names: list[str], out: Path
+) -> None:
     styles = {"first": ("tab:blue", "o"), "all": ("tab:orange", "s")}
     figure = agg_figure(figsize=(11, 4.2))
     axes = figure.subplots(1, len(DECODERS), sharey=True)
     for axis, decoder in zip(axes, DECODERS):
         for injection in config.injection:
             colour, marker = styles[injection]
-            series = sorted((r.layers, tau_of(r, decoder, POOLED)) for r in rows if r.layers == 1 or r.injection == injection)
+            series = sorted(
+                (r.layers, tau_of(r, decoder, POOLED)) for r in rows if r.layers == 1 or r.injection == injection
+            )
             series = [(d, t) for d, t in series if t is not None]
             if not series:
                 continue
-            axis.plot(*zip(*series), marker=marker, color=colour, linestyle="none", label=f"embeddings into {injection}")
+            axis.plot(
+                *zip(*series), marker=marker, color=colour, linestyle="none", label=f"embeddings into {injection}"
+            )
             for f in fit_rows:
                 if (f.decoder, f.injection, f.prompt_set) == (decoder, injection, POOLED):
                     grid = [1 + i * (max(f.depths) - 1) / 50 for i in range(51)]
-                    axis.plot(grid, [f.fit.predict(d) for d in grid], color=colour, linestyle="--", linewidth=1,
-                              label=f"fit {f.fit.a:.2f} {f.fit.b:+.3f} ln D (R² {fmt(f.fit.r2)})")  # fmt: skip
+                    axis.plot(
+                        grid,
+                        [f.fit.predict(d) for d in grid],
+                        color=colour,
+                        linestyle="--",
+                        linewidth=1,
+                        label=f"fit {f.fit.a:.2f} {f.fit.b:+.3f} ln D (R² {fmt(f.fit.r2)})",
+                    )
         axis.set_xscale("log")
         depths = sorted({r.layers for r in rows}) or [1]
         axis.set_xticks(depths, [str(d) for d in depths])
@@ -283,11 +358,16 @@ def plot(config: StudyConfig, rows: list[SettingResult], fit_rows: list[FitRow],
     for decoder, linestyle in zip(DECODERS, ("-", ":")):
         for injection in config.injection:
             colour, marker = styles[injection]
-            series = sorted((r.layers, pooled_speedup(r.eval.get(decoder, {}))) for r in rows
-                            if r.layers == 1 or r.injection == injection)  # fmt: skip
+            series = sorted(
+                (r.layers, pooled_speedup(r.eval.get(decoder, {})))
+                for r in rows
+                if r.layers == 1 or r.injection == injection
+            )
             series = [(d, s) for d, s in series if s is not None]
             if series:
-                axis.plot(*zip(*series), marker=marker, color=colour, linestyle=linestyle, label=f"{decoder}, {injection}")
+                axis.plot(
+                    *zip(*series), marker=marker, color=colour, linestyle=linestyle, label=f"{decoder}, {injection}"
+                )
     axis.axhline(1.0, color="grey", linewidth=1)
     axis.set_xlabel("draft decoder layers D")
     axis.set_ylabel("speedup over plain decoding")

@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -143,7 +142,7 @@ def parallelize(model: nn.Module, draft: Eagle3Draft, parallel: str, world: Worl
     return model
 
 
-def gradient_sync(model: nn.Module, last: bool) -> ContextManager:
+def gradient_sync(model: nn.Module, last: bool) -> AbstractContextManager:
     """Around a micro-batch's forward and backward: DDP all-reduces gradients on the step's last one only.
 
     FSDP2 reduce-scatters every micro-batch: deferring it would keep unsharded gradients between

@@ -170,7 +170,9 @@ def train(
     features = features or OnlineFeatures(target, d2t)
     run_dir = Path(config.output_dir)
     if not resume and (run_dir / "checkpoints").exists():
-        raise FileExistsError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another output_dir")
+        raise FileExistsError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another output_dir"
+        )
     latest = latest_checkpoint(run_dir) if resume else None
     checkpoint = read_checkpoint(latest) if latest else None
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -203,18 +205,23 @@ def train(
         # train on other data. Checkpoints from before packing existed were padded.
         planned_packed = checkpoint.trainer_state.get("pack", False)
         if planned_packed != config.pack:
-            raise ConfigError(f"{checkpoint.path}: this run was planned with pack={planned_packed}; resume it with "
-                              f"pack={planned_packed} (the config has pack={config.pack})")
+            raise ConfigError(
+                f"{checkpoint.path}: this run was planned with pack={planned_packed}; resume it with "
+                f"pack={planned_packed} (the config has pack={config.pack})"
+            )
         print0(f"resumed from {checkpoint.path} (step {step}/{total_steps})")
     if config.grad_accum % world.size:
-        print0(f"warning: grad_accum={config.grad_accum} micro-batches per step over {world.size} ranks: some "
-               f"ranks run a zero-weight micro-batch every step to keep in step; a multiple of {world.size} wastes none")
+        print0(
+            f"warning: grad_accum={config.grad_accum} micro-batches per step over {world.size} ranks: some "
+            f"ranks run a zero-weight micro-batch every step to keep in step; a multiple of {world.size} wastes none"
+        )
 
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     log = MetricLog(run_dir, config.tensorboard, config.ttt_steps, world, device)
     plan = plan_epoch(lengths, config, epoch, config.shuffle)
-    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                    disable=not world.is_main)
+    progress = tqdm(
+        total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, disable=not world.is_main
+    )
     record: dict = {}
     while step < total_steps:
         group = []  # the global batch: every rank plans the same micro-batches
@@ -246,7 +253,9 @@ def train(
         log.add_step(grad_norm)
         if step % config.log_every == 0 or step == total_steps:
             record = log.flush(step, lr)
-            progress.set_postfix(loss=f"{record['loss_0']:.3f}", acc0=f"{record['acc_0']:.3f}", tau=f"{record['sim_accept_len']:.2f}")
+            progress.set_postfix(
+                loss=f"{record['loss_0']:.3f}", acc0=f"{record['acc_0']:.3f}", tau=f"{record['sim_accept_len']:.2f}"
+            )
         if step % config.save_every == 0 or step == total_steps:
             # Every rank gathers (FSDP), rank 0 writes; the data position is global, so any world size resumes it.
             weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, optimizer)

@@ -116,8 +116,9 @@ def step_masks(loss_mask: torch.Tensor, positions: torch.Tensor, steps: int) -> 
     """[steps, B, T]: step j at origin i is counted when x_{i+j+2} (the token it predicts) is in the loss mask
     and in origin i's conversation."""
     documents = document_ids(positions)
-    return torch.stack([shift_left(loss_mask, j + 2) * (shift_left(documents, j + 2, fill=-1) == documents)
-                        for j in range(steps)])  # fmt: skip
+    return torch.stack(
+        [shift_left(loss_mask, j + 2) * (shift_left(documents, j + 2, fill=-1) == documents) for j in range(steps)]
+    )
 
 
 def unroll(
