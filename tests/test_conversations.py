@@ -15,7 +15,9 @@ from wingspan.data.conversations import (
     write_conversations_jsonl,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared beside the checkout
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"  # excerpts of the real datasets (tests/data/README.md)
+BUNDLED = ROOT / "src" / "wingspan" / "eval" / "data"  # EAGLE's question files, shipped in the package
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -27,46 +29,47 @@ def roles(conversation: Conversation) -> list[str]:
     return [m.role for m in conversation.messages]
 
 
-# (file, conversations kept, whether they carry assistant replies)
+# (file under the repository, conversations kept, whether they carry assistant replies): a few records of every
+# dataset shape we use, and the question files the package ships whole.
 SHIPPED = [
-    ("train/sharegpt500_smollm2_regen.jsonl", 500, True),
-    ("train/sharegpt_1000.json", 1000, False),
-    ("train/sharegpt_2978_first_turns.json", 2957, False),
-    ("train/gpteacher_codegen.json", 4535, True),
-    ("train/gpteacher_roleplay.json", 1923, True),
-    ("train/gsm8k_train.jsonl", 7473, True),
-    ("train/self_instruct_seed_tasks.jsonl", 175, True),
-    ("eval/mt_bench.jsonl", 80, False),
-    ("eval/gsm8k_80.jsonl", 80, False),
-    ("eval/humaneval_80.jsonl", 80, False),
-    ("eval/gsm8k_test_1319.jsonl", 1319, True),
-    ("eval/HumanEval.jsonl.gz", 164, True),
+    ("tests/data/sharegpt500_smollm2_regen_excerpt.jsonl", 3, True),
+    ("tests/data/sharegpt_1000_head5.json", 5, False),
+    ("tests/data/sharegpt_first_turns_excerpt.json", 4, False),
+    ("tests/data/gpteacher_codegen_head4.json", 4, True),
+    ("tests/data/gpteacher_roleplay_head3.json", 3, True),
+    ("tests/data/gsm8k_test_head5.jsonl", 5, True),
+    ("tests/data/self_instruct_seed_tasks_head3.jsonl", 3, True),
+    ("tests/data/HumanEval_head3.jsonl.gz", 3, True),
+    ("src/wingspan/eval/data/mt_bench.jsonl", 80, False),
+    ("src/wingspan/eval/data/gsm8k_80.jsonl", 80, False),
+    ("src/wingspan/eval/data/humaneval_80.jsonl", 80, False),
 ]
 
 
-@pytest.mark.skipif(not SHARED_DATA.exists(), reason="shared datasets not present")
 @pytest.mark.parametrize("name,expected,has_replies", SHIPPED)
 def test_every_shipped_dataset_reads(name, expected, has_replies):
-    conversations, report = read_conversations(SHARED_DATA / name)
+    path = ROOT / name
+    conversations, report = read_conversations(path)
     assert len(conversations) == expected
     for c in conversations:
         assert c.messages and c.messages[0].role in ("system", "user")
         assert all(isinstance(m.content, str) and m.content.strip() for m in c.messages)
-        assert c.source.startswith(str(SHARED_DATA / name))
+        assert c.source.startswith(str(path))
     assert all(c.has_assistant_turn() for c in conversations) == has_replies
     if has_replies:  # training data: nothing is lost to require_assistant
-        assert len(read_conversations(SHARED_DATA / name, require_assistant=True)[0]) == expected
+        assert len(read_conversations(path, require_assistant=True)[0]) == expected
     else:
         with pytest.raises(DataError, match="no usable conversation"):
-            read_conversations(SHARED_DATA / name, require_assistant=True)
+            read_conversations(path, require_assistant=True)
     assert report.total - report.skipped == expected
 
 
-@pytest.mark.skipif(not SHARED_DATA.exists(), reason="shared datasets not present")
 def test_shipped_first_turn_set_skips_records_without_a_user_turn():
-    _, report = read_conversations(SHARED_DATA / "train/sharegpt_2978_first_turns.json")
-    assert report.counts == {"no user turn": 21}  # 16 system-only and a few assistant-only records
-    assert "sharegpt_2978_first_turns.json[" in report.examples[0]
+    conversations, report = read_conversations(DATA / "sharegpt_first_turns_excerpt.json")
+    # 2 system-only, 3 assistant-only records and one whose only user turn is empty
+    assert report.counts == {"no user turn": 6} and report.total == 10
+    assert "sharegpt_first_turns_excerpt.json[" in report.examples[0]
+    assert [c.id for c in conversations] == ["n68MgDA", "Lcfs0UQ", "jQpHizF", "z5v7xKJ"]
 
 
 def test_sharegpt_normalisation(tmp_path):

