@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from wingspan.data.synth import chat_prompt
+from wingspan.data.template import chat_prompt
 from wingspan.decode.speculative import SpecResult, TreeShape, plain_generate, speculative_generate
 from wingspan.eval.prompts import load_prompt_set
 from wingspan.eval.runner import load_models
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     target, draft = load_models(args.target, args.draft, args.dtype)
     _, prompts = load_prompt_set(args.prompts, args.num_prompts)
-    prompt_ids = [chat_prompt(target, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
+    prompt_ids = [chat_prompt(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
 
     decoders = {"plain": lambda ids, n: plain_generate(target, ids, n)}
     decoders[f"chain K={args.num_draft_tokens}"] = lambda ids, n: speculative_generate(

@@ -7,9 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from wingspan.config import ConfigError, TrainConfig, from_dict, read_mapping, to_dict
+from wingspan.config import TrainConfig, from_dict, read_mapping, to_dict
 from wingspan.data.batching import collate
-from wingspan.data.conversations import DataError
 from wingspan.data.hidden_states import (
     MANIFEST,
     DumpIdentity,
@@ -21,6 +20,7 @@ from wingspan.data.hidden_states import (
     write_dump,
 )
 from wingspan.data.template import TokenizedConversation
+from wingspan.errors import ConfigError, DataError
 from wingspan.models.target import TargetModel
 from wingspan.pipeline import run_training, tokenized_dataset
 from wingspan.train.features import DumpFeatures, OnlineFeatures

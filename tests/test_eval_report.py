@@ -8,7 +8,7 @@ import pytest
 
 from wingspan.cli import main
 from wingspan.decode.speculative import SpecResult
-from wingspan.eval import MissingPackageError
+from wingspan.errors import MissingPackageError
 from wingspan.eval.prompts import EvalPrompt
 from wingspan.eval.report import write_report
 from wingspan.eval.runner import EvalSettings, Turn, prompt_result, summarize
@@ -93,7 +93,7 @@ def test_cli_help(monkeypatch, capsys):
     [
         (["--tree", "3,2"], "expected DEPTH,TOPK,TOTAL"),
         (["--tree", "2,2,7"], "total_tokens can be at most"),
-        (["--dtype", "int8"], "expected bf16, fp32 or fp16"),
+        (["--dtype", "int8"], "dtype 'int8': expected one of"),
         (["--sets", "mt-bench"], "neither a named set (mt_bench, gsm8k, humaneval)"),
         (["--sets", "a=x.txt,a=y.txt"], "x.txt: file not found"),
         (["--max-new-tokens", "0"], "max_new_tokens: must be >= 1"),

@@ -2,6 +2,7 @@
 multi-turn prompts continued from each decoder's own answer, and the command end to end."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,10 @@ import pytest
 import torch
 from test_speculative import FAVOURED, make_draft
 
-from wingspan.config import ConfigError, load, save_json
-from wingspan.data.synth import chat_prompt
+from wingspan.config import load, save_json
+from wingspan.data.template import chat_prompt
 from wingspan.decode.speculative import SpecResult
+from wingspan.errors import ConfigError
 from wingspan.eval import runner
 from wingspan.eval.prompts import EvalPrompt
 from wingspan.eval.runner import (
@@ -26,10 +28,10 @@ from wingspan.eval.runner import (
     summarize,
 )
 from wingspan.export.vllm import export_vllm
-from wingspan.models.draft import Eagle3Draft
+from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.target import TargetModel
 
-SHARED = Path(__file__).parents[2] / "shared"
+BUNDLED = Path(runner.__file__).parent / "data"  # the question files the package ships
 PROMPTS = [
     EvalPrompt("two-turn", ["Name a prime number.", "And a larger one?"], "math"),
     EvalPrompt("one-turn", ["Write a haiku about rain."]),
@@ -177,9 +179,9 @@ def test_each_decoder_continues_its_own_conversation(target, draft, monkeypatch)
     first, second = PROMPTS[0].turns
     for which, row_replies in (("spec", result.prompts[0].replies), ("greedy", result.prompts[0].greedy_replies)):
         ids = [ids for name, ids in calls if name == which][:2]
-        assert ids[0] == chat_prompt(target, [{"role": "user", "content": first}])
+        assert ids[0] == chat_prompt(target.tokenizer, [{"role": "user", "content": first}])
         assert ids[1] == chat_prompt(
-            target,
+            target.tokenizer,
             [
                 {"role": "user", "content": first},
                 {"role": "assistant", "content": row_replies[0]},
@@ -198,7 +200,7 @@ def test_load_models_reads_a_draft_directory_and_a_vllm_export(tiny_llama_dir, t
     plain = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
     saved = favoured_draft(plain, seed=3)
     saved.lm_head.weight.data.normal_()
-    saved.save(tmp_path / "draft")
+    write_draft(tmp_path / "draft", saved.trainable_state_dict(), saved.config)
     export_vllm(saved, tmp_path / "vllm", dtype="float32")
     for directory in (tmp_path / "draft", tmp_path / "vllm"):
         model, loaded = load_models(str(tiny_llama_dir), directory, "float32")
@@ -212,9 +214,9 @@ def test_load_models_reads_a_draft_directory_and_a_vllm_export(tiny_llama_dir, t
 
 
 def test_cli_writes_all_three_files(tiny_llama_dir, target, draft, tmp_path):
-    draft.save(tmp_path / "draft")
+    write_draft(tmp_path / "draft", draft.trainable_state_dict(), draft.config)
     out = tmp_path / "eval"
-    sets = f"mt={SHARED / 'data/eval/mt_bench.jsonl'},{SHARED / 'data/eval/gsm8k_80.jsonl'}"
+    sets = f"mt={BUNDLED / 'mt_bench.jsonl'},{BUNDLED / 'gsm8k_80.jsonl'},humaneval"  # NAME=PATH, a file, a named set
     command = [
         sys.executable,
         "-m",
@@ -237,12 +239,14 @@ def test_cli_writes_all_three_files(tiny_llama_dir, target, draft, tmp_path):
         "--out",
         str(out),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # the named set is bundled
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=offline)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert [s["name"] for s in results["sets"]] == ["mt", "gsm8k_80"]
-    assert [s["num_prompts"] for s in results["sets"]] == [2, 2]
+    assert [s["name"] for s in results["sets"]] == ["mt", "gsm8k_80", "humaneval"]
+    assert [s["num_prompts"] for s in results["sets"]] == [2, 2, 2]
     assert [len(p["prompt_tokens"]) for p in results["sets"][0]["prompts"]] == [2, 2]  # MT-bench: two turns
+    assert [(p["id"], p["category"]) for p in results["sets"][2]["prompts"]] == [("0", "code"), ("1", "code")]
     assert all(s["outputs_differing"] == 0 for s in results["sets"])
     assert results["settings"]["max_new_tokens"] == 6 and results["dtype"] == "float32"
     table = (out / "results.md").read_text()

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wingspan.config import DraftConfig
-from wingspan.export.vllm import ExportError, draft_logits, export_vllm, load_vllm_export
+from wingspan.errors import ExportError
+from wingspan.export.vllm import draft_logits, export_vllm, load_vllm_export
 from wingspan.models.draft import Eagle3Draft
 
 

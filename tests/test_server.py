@@ -14,7 +14,7 @@ import pytest
 from conftest import NEEDS_VLLM, VLLM_PYTHON
 
 from wingspan.data.conversations import read_conversations
-from wingspan.data.synth import chat_prompt
+from wingspan.data.template import chat_prompt
 from wingspan.models.target import TargetModel
 
 pytestmark = NEEDS_VLLM
@@ -139,7 +139,7 @@ def test_regenerate_through_a_server_resumes_and_matches_the_target(server, defa
     # Greedy replies are the target's own: the first turns equal transformers' float32 greedy decoding.
     target = TargetModel.load(default_target_dir, dtype="float32")
     first_turns = [c.messages[:1] for c in conversations]
-    prompts = [chat_prompt(target, [{"role": "user", "content": m[0].content}]) for m in first_turns]
+    prompts = [chat_prompt(target.tokenizer, [{"role": "user", "content": m[0].content}]) for m in first_turns]
     expected = [target.tokenizer.decode(g.tokens) for g in target.generate(prompts, 24, temperature=0.0)]
     got = [c.messages[1].content for c in conversations]
     matching = sum(a == b for a, b in zip(got, expected))

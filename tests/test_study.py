@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from wingspan.config import ConfigError
+from wingspan.errors import ConfigError
 from wingspan.study import layers as study_layers
 from wingspan.study.fit import bootstrap_interval, fit_log_linear, log_slope, prompts_tau, t_cdf, t_quantile
 from wingspan.study.layers import StudyConfig, open_study, run_study

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from wingspan.data.conversations import Conversation, Message
-from wingspan.data.synth import chat_prompt, regenerate, synthesize, user_turn_prefix
+from wingspan.data.synth import regenerate, synthesize
+from wingspan.data.template import chat_prompt, user_turn_prefix
 from wingspan.models.target import TargetModel
 
 SYNTH = dict(batch_size=4, max_new_tokens=6, max_user_tokens=24, seed=3)
@@ -99,7 +100,7 @@ def test_synthesize_refuses_greedy_user_turns_and_other_seeds(chatty, tmp_path):
 
 
 def test_user_turn_prefix_is_what_the_template_writes_before_the_content(tiny):
-    text = tiny.tokenizer.decode(user_turn_prefix(tiny))
+    text = tiny.tokenizer.decode(user_turn_prefix(tiny.tokenizer))
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\n")
 
 
@@ -143,7 +144,7 @@ def test_each_reply_is_conditioned_on_the_targets_own_earlier_replies(tiny, tmp_
     out = tmp_path / "regen.jsonl"
     regenerate(tiny, CONVERSATIONS[:1], out, max_new_tokens=4, batch_size=1)
     got = records(out)[0]["conversations"]
-    prompt = chat_prompt(tiny, got[:4])  # system, user, the target's own reply 1, user
+    prompt = chat_prompt(tiny.tokenizer, got[:4])  # system, user, the target's own reply 1, user
     (expected,) = tiny.generate([prompt], max_new_tokens=4)
     assert got[4] == {"role": "assistant", "content": tiny.tokenizer.decode(expected.tokens)}
 

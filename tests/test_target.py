@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
+from wingspan.data.template import end_of_turn_id
 from wingspan.models import registry
 from wingspan.models.registry import resolve_target
-from wingspan.models.target import TargetModel, end_of_turn_id
+from wingspan.models.target import TargetModel
 
 H = 32  # the tiny model's hidden size
 

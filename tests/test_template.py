@@ -5,10 +5,10 @@ import itertools
 import time
 
 import pytest
-from jinja2 import TemplateSyntaxError
 
-from wingspan.data.conversations import Conversation, DataError, Message
-from wingspan.data.template import render_with_spans, tokenize_conversation, tokenize_conversations
+from wingspan.data.conversations import Conversation, Message
+from wingspan.data.template import TokenizedConversation, render_with_spans, tokenize_conversations
+from wingspan.errors import DataError, ModelError
 
 # Meta-Llama-3-8B-Instruct's tokenizer_config.json chat_template.
 LLAMA3_TEMPLATE = (
@@ -151,8 +151,14 @@ def replies(c: Conversation, end_of_turn: str, strip: bool = False) -> list[str]
     return [(m.content.strip() if strip else m.content) + end_of_turn for m in c.messages if m.role == "assistant"]
 
 
+def tokenize_one(tokenizer, c: Conversation, max_length: int) -> TokenizedConversation:
+    records, report = tokenize_conversations(tokenizer, [c], max_length)
+    assert report.skipped == 0
+    return records[0]
+
+
 def check(tokenizer, c: Conversation, end_of_turn: str, strip: bool = False):
-    record = tokenize_conversation(tokenizer, c, max_length=4096)
+    record = tokenize_one(tokenizer, c, max_length=4096)
     assert len(record.input_ids) == len(record.loss_mask)
     assert masked_texts(tokenizer, record) == replies(c, end_of_turn, strip)
     # The ids are exactly what the template yields when it tokenizes itself.
@@ -193,12 +199,12 @@ def test_qwen2_template(smollm2_tokenizer, c):
 def test_mistral_template_moves_or_drops_the_system_prompt(smollm2_tokenizer):
     tokenizer = with_template(smollm2_tokenizer, MISTRAL_TEMPLATE)  # eos_token is <|im_end|> here
     ends_with_user = conversation(*[(m.role, m.content) for m in WITH_SYSTEM.messages[:4]])
-    record = tokenize_conversation(tokenizer, ends_with_user, max_length=4096)
+    record = tokenize_one(tokenizer, ends_with_user, max_length=4096)
     text = tokenizer.decode(record.input_ids)
     assert text.index("Bonjour") < text.index("Answer in French.")  # the system prompt comes after the reply
     # "[/INST] Bonjour": the template's space and the reply's first word are one token, which is masked.
     assert masked_texts(tokenizer, record) == [" Bonjour !<|im_end|>"]
-    record = tokenize_conversation(tokenizer, WITH_SYSTEM, max_length=4096)
+    record = tokenize_one(tokenizer, WITH_SYSTEM, max_length=4096)
     assert masked_texts(tokenizer, record) == [" Bonjour !<|im_end|>", " Au revoir.<|im_end|>"]
     assert "Answer in French." not in tokenizer.decode(record.input_ids)
 
@@ -211,7 +217,7 @@ def test_template_that_rewrites_earlier_replies(smollm2_tokenizer):
         ("user", "q2"),
         ("assistant", "<think>more</think>two"),
     )
-    record = tokenize_conversation(tokenizer, c, max_length=4096)
+    record = tokenize_one(tokenizer, c, max_length=4096)
     # The mask follows what the template renders: the reasoning it dropped is not trained on.
     assert masked_texts(tokenizer, record) == ["answer one<|im_end|>", "<think>more</think>two<|im_end|>"]
 
@@ -225,9 +231,9 @@ def test_reply_that_repeats_the_prompt_is_masked_in_its_own_turn(smollm2_tokeniz
 
 
 def test_truncation_keeps_the_head_and_aligns_mask(smollm2_tokenizer):
-    full = tokenize_conversation(smollm2_tokenizer, MULTI_TURN, max_length=4096)
+    full = tokenize_one(smollm2_tokenizer, MULTI_TURN, max_length=4096)
     cut = len(full.input_ids) - 5
-    record = tokenize_conversation(smollm2_tokenizer, MULTI_TURN, max_length=cut)
+    record = tokenize_one(smollm2_tokenizer, MULTI_TURN, max_length=cut)
     assert record.input_ids == full.input_ids[:cut] and record.loss_mask == full.loss_mask[:cut]
 
 
@@ -263,7 +269,7 @@ def test_nothing_left_or_a_broken_template_is_an_error(smollm2_tokenizer):
     with pytest.raises(DataError, match=r"no conversation has an assistant token.*no assistant token: 1"):
         tokenize_conversations(smollm2_tokenizer, [conversation(("user", "only a prompt"))], 512)
     broken = with_template(smollm2_tokenizer, "{% for m in messages %}{{ m['content'] }")
-    with pytest.raises(TemplateSyntaxError):
+    with pytest.raises(ModelError, match="the chat template does not parse: unexpected '}'"):
         tokenize_conversations(broken, [MULTI_TURN], 512)
 
 
@@ -279,6 +285,6 @@ def test_tokenize_conversations_matches_one_at_a_time_and_is_fast(smollm2_tokeni
     elapsed = time.perf_counter() - start
     assert report.skipped == 0 and len(records) == len(many)
     for i in (0, 777, 1999):
-        one = tokenize_conversation(smollm2_tokenizer, many[i], max_length=2048)
+        one = tokenize_one(smollm2_tokenizer, many[i], max_length=2048)
         assert (records[i].input_ids, records[i].loss_mask) == (one.input_ids, one.loss_mask)
     assert elapsed < 10, f"2000 conversations took {elapsed:.1f} s"

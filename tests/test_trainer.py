@@ -9,8 +9,9 @@ from conftest import interrupted_copy
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from wingspan.config import ConfigError, TrainConfig
+from wingspan.config import TrainConfig
 from wingspan.data.template import TokenizedConversation
+from wingspan.errors import ConfigError
 from wingspan.models.target import TargetModel
 from wingspan.train.trainer import learning_rate, train
 

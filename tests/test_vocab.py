@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wingspan.data.conversations import DataError
 from wingspan.data.template import TokenizedConversation
 from wingspan.data.vocab import DraftVocab, build_draft_vocab, count_assistant_tokens, draft_to_target_ids
+from wingspan.errors import DataError
 
 
 def record(ids: list[int], mask: list[int]) -> TokenizedConversation:
@@ -29,32 +29,30 @@ def test_counts_only_masked_tokens():
 
 def test_top_tokens_sorted_by_target_id_with_offsets():
     vocab = build_draft_vocab(RECORDS, target_vocab_size=12, draft_vocab_size=3)
-    assert vocab.target_ids().tolist() == [3, 7, 9]
+    assert draft_to_target_ids(vocab.d2t).tolist() == [3, 7, 9]
     assert vocab.d2t.tolist() == [3, 6, 7]  # target id = i + d2t[i]
     assert vocab.d2t.dtype == torch.int64 and vocab.t2d.dtype == torch.bool
     assert vocab.t2d.nonzero().flatten().tolist() == [3, 7, 9]
-    assert vocab.selected_counts.tolist() == [3, 5, 2]
     assert vocab.coverage == pytest.approx(10 / 11)
     assert (vocab.draft_vocab_size, vocab.target_vocab_size) == (3, 12)
 
 
 def test_always_include_wins_over_frequent_tokens():
     vocab = build_draft_vocab(RECORDS, target_vocab_size=12, draft_vocab_size=3, always_include=[11, 0])
-    assert vocab.target_ids().tolist() == [0, 7, 11]
+    assert draft_to_target_ids(vocab.d2t).tolist() == [0, 7, 11]
     assert vocab.coverage == pytest.approx(5 / 11)
-    assert vocab.selected_counts.tolist() == [0, 5, 0]
 
 
 def test_fills_with_lowest_unused_ids_when_data_is_short():
     vocab = build_draft_vocab(RECORDS, target_vocab_size=12, draft_vocab_size=7, always_include=[10])
     # Seen: 1, 3, 7, 9; forced: 10; then the lowest unseen ids 0 and 2.
-    assert vocab.target_ids().tolist() == [0, 1, 2, 3, 7, 9, 10]
+    assert draft_to_target_ids(vocab.d2t).tolist() == [0, 1, 2, 3, 7, 9, 10]
     assert vocab.coverage == 1.0 and vocab.t2d.sum() == 7
 
 
 def test_ties_go_to_the_lower_id():
     tied = [record([4, 2, 8, 6], [1, 1, 1, 1])]
-    assert build_draft_vocab(tied, 10, 2).target_ids().tolist() == [2, 4]
+    assert draft_to_target_ids(build_draft_vocab(tied, 10, 2).d2t).tolist() == [2, 4]
 
 
 def test_full_size_vocab_is_the_identity():
@@ -94,7 +92,6 @@ def test_save_load_round_trip(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["vocab.safetensors"]
     back = DraftVocab.load(path)
     assert torch.equal(back.d2t, vocab.d2t) and torch.equal(back.t2d, vocab.t2d)
-    assert torch.equal(back.selected_counts, vocab.selected_counts)
     assert back.coverage == vocab.coverage
 
 
@@ -109,7 +106,7 @@ def test_vocab_from_real_tokenized_conversations(smollm2_tokenizer):
     records, _ = tokenize_conversations(smollm2_tokenizer, conversations, max_length=256)
     end_of_turn = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
     vocab = build_draft_vocab(records, len(smollm2_tokenizer), 32, always_include=[smollm2_tokenizer.eos_token_id])
-    chosen = set(vocab.target_ids().tolist())
+    chosen = set(draft_to_target_ids(vocab.d2t).tolist())
     assistant_tokens = {t for r in records for t, m in zip(r.input_ids, r.loss_mask) if m}
     assert end_of_turn in assistant_tokens and vocab.coverage == 1.0
     # Every reply token, then the lowest unused ids as filler; no other (prompt) token.
@@ -130,7 +127,7 @@ def write_vocab(path, tensors, target_vocab_size=12, coverage=1.0):
 def good_tensors():
     t2d = torch.zeros(12, dtype=torch.bool)
     t2d[[1, 4]] = True
-    return {"d2t": torch.tensor([1, 3]), "t2d": t2d, "selected_counts": torch.tensor([2, 1])}
+    return {"d2t": torch.tensor([1, 3]), "t2d": t2d}
 
 
 @pytest.mark.parametrize(
@@ -140,7 +137,6 @@ def good_tensors():
         (lambda t: t.update(d2t=torch.tensor([1, 4])), "d2t and t2d disagree"),
         (lambda t: t.update(d2t=torch.tensor([[1, 3]])), "d2t must be a 1-D int64 tensor"),
         (lambda t: t.update(t2d=t["t2d"].long()), "t2d must be a 1-D bool tensor"),
-        (lambda t: t.update(selected_counts=torch.tensor([1])), "selected_counts has shape"),
     ],
 )
 def test_load_rejects_inconsistent_files_naming_them(tmp_path, change, message):
@@ -164,4 +160,10 @@ def test_load_checks_metadata_and_file(tmp_path):
         DraftVocab.load(tmp_path / "junk.safetensors")
     with pytest.raises(DataError, match="missing.safetensors: draft vocab file not found"):
         DraftVocab.load(tmp_path / "missing.safetensors")
-    assert DraftVocab.load(write_vocab(tmp_path / "ok.safetensors", good_tensors())).target_ids().tolist() == [1, 4]
+    ok = DraftVocab.load(write_vocab(tmp_path / "ok.safetensors", good_tensors()))
+    assert draft_to_target_ids(ok.d2t).tolist() == [1, 4]
+    # Files written before the vocab stopped storing per-token counts still load.
+    old = DraftVocab.load(
+        write_vocab(tmp_path / "old.safetensors", {**good_tensors(), "selected_counts": torch.ones(2)})
+    )
+    assert draft_to_target_ids(old.d2t).tolist() == [1, 4]

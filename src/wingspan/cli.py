@@ -7,10 +7,9 @@ from typing import Annotated
 
 import typer
 
-from wingspan.config import ConfigError, TrainConfig, apply_overrides, from_dict, read_mapping, to_dict
-from wingspan.data.conversations import DataError
-from wingspan.data.server import ServerError
-from wingspan.eval import MissingPackageError
+from wingspan.config import TrainConfig, apply_overrides, from_dict, read_mapping, to_dict
+from wingspan.dtypes import dtype_name
+from wingspan.errors import ConfigError, WingspanError
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 models_app = typer.Typer(
@@ -23,7 +22,14 @@ app.add_typer(data_app, name="data")
 app.add_typer(study_app, name="study")
 
 TargetOption = Annotated[str, typer.Option(help="Embedded name, checkpoint directory or hub id.")]
-DtypeOption = Annotated[str, typer.Option(help="Target dtype; keep it the same in data generation, training and eval.")]
+DtypeOption = Annotated[
+    str,
+    typer.Option(
+        help="Target dtype: bfloat16 (bf16), float32 (fp32) or float16 (fp16); keep it the same in data generation, "
+        "training and eval.",
+        parser=dtype_name,
+    ),
+]
 
 
 def train_config(config_file: Path | None, overrides: list[str]) -> TrainConfig:
@@ -219,9 +225,6 @@ def train(
         typer.echo(f"draft: {final}")
 
 
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-
-
 def parse_tree(text: str) -> tuple[int, int, int]:
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
@@ -252,7 +255,12 @@ def evaluate_draft(
         float, typer.Option(help="0 = greedy (outputs must equal the baseline's); above, both decoders sample.")
     ] = 0.0,
     limit: Annotated[int | None, typer.Option(help="Only the first N prompts of each set.")] = None,
-    dtype: Annotated[str, typer.Option(help="Target (and draft) dtype: bf16, fp32 or fp16.")] = "bf16",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Target (and draft) dtype: bfloat16 (bf16), float32 (fp32) or float16 (fp16).", parser=dtype_name
+        ),
+    ] = "bfloat16",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
     warmup: Annotated[int, typer.Option(help="Prompts decoded untimed first, by both decoders.")] = 1,
@@ -262,9 +270,9 @@ def evaluate_draft(
     import torch
 
     from wingspan.eval.prompts import load_prompt_sets
-    from wingspan.eval.report import markdown, require_matplotlib, write_report
+    from wingspan.eval.report import markdown, write_report
     from wingspan.eval.runner import EvalSettings, evaluate, load_models
-    from wingspan.models.target import DTYPES
+    from wingspan.plots import require_matplotlib
 
     depth, top_k, total = parse_tree(tree) if tree else (None, None, None)
     settings = EvalSettings(
@@ -278,9 +286,6 @@ def evaluate_draft(
         limit=limit,
         warmup_prompts=warmup,
     )
-    dtype = DTYPE_ALIASES.get(dtype, dtype)
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"{dtype!r}: expected bf16, fp32 or fp16", param_hint="--dtype")
     # Everything that can fail fast does, before the models load and the decoding starts.
     require_matplotlib()
     prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit)
@@ -351,7 +356,7 @@ def study_layers(
     hidden-state dump, evaluate each with the chain and the tree decoder, fit tau = a + b ln D, and write
     results.json, report.md and plots. Extra `key=value` arguments are training fields shared by every setting
     (e.g. lr=1e-3 ttt_steps=4 draft_vocab_size=8192). Resumable; see docs/study.md."""
-    from wingspan.eval.report import require_matplotlib
+    from wingspan.plots import require_matplotlib
     from wingspan.study.layers import StudyConfig, run_study
 
     require_matplotlib()
@@ -386,10 +391,13 @@ def quickstart(
 
 
 def main() -> None:
+    """The console script: the package's own errors and file-system errors end the command with one line on
+    stderr and exit status 2, never a traceback."""
     try:
         app()
-    except (ConfigError, DataError, FileNotFoundError, FileExistsError, MissingPackageError, ServerError) as error:
-        typer.echo(f"error: {error}", err=True)
+    except (WingspanError, OSError) as error:
+        message = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        typer.echo(f"error: {message or type(error).__name__}", err=True)
         raise SystemExit(2) from None
 
 

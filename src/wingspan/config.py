@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config file or override that cannot describe a valid run."""
+from wingspan.dtypes import DtypeName
+from wingspan.errors import ConfigError
+from wingspan.files import write_text_atomically
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -91,11 +91,7 @@ def to_dict(obj: Any) -> dict:
 
 
 def save_json(obj: Any, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(to_dict(obj), indent=2) + "\n")
-    tmp.replace(path)
+    write_text_atomically(path, json.dumps(to_dict(obj), indent=2) + "\n")
 
 
 def read_mapping(path: str | Path) -> dict:
@@ -201,7 +197,7 @@ class TrainConfig:
     output_dir: str = "runs/draft"
     vocab: str | None = None  # a vocab.safetensors from `wingspan vocab`; built from the data when None
     # target
-    target_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    target_dtype: DtypeName = "bfloat16"
     aux_layer_ids: list[int] | None = None  # default [2, N//2, N-3]
     # draft
     num_hidden_layers: int = 1

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from wingspan.config import TrainConfig
-from wingspan.data.conversations import DataError, read_conversations
+from wingspan.data.conversations import read_conversations
 from wingspan.data.template import TokenizedConversation, tokenize_conversations
 from wingspan.data.vocab import DraftVocab, build_draft_vocab
+from wingspan.errors import DataError
 from wingspan.models.target import TargetModel
 from wingspan.train.distributed import current_world, print0, rank_device
 

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from wingspan.errors import DataError
+from wingspan.files import write_text_atomically
+
 Role = Literal["system", "user", "assistant"]
 
 ROLE_NAMES: dict[str, Role] = {
@@ -60,10 +63,6 @@ class Conversation:
         return [{"role": m.role, "content": m.content} for m in self.messages]
 
 
-class DataError(ValueError):
-    """Input data that cannot be used; the message names the file, the line or index, and the field."""
-
-
 @dataclass
 class SkipReport:
     """What was dropped and why: counts per reason, plus the first few examples with their file:line."""
@@ -81,12 +80,6 @@ class SkipReport:
         self.counts[reason] += 1
         if len(self.examples) < self.max_examples:
             self.examples.append(example)
-
-    def merge(self, other: SkipReport) -> None:
-        """Fold another report in (e.g. one per file) so a run reports once."""
-        self.total += other.total
-        self.counts.update(other.counts)
-        self.examples.extend(other.examples[: max(0, self.max_examples - len(self.examples))])
 
     def summary(self) -> str:
         if not self.counts:
@@ -319,12 +312,8 @@ def _lines(conversations: Iterable[Conversation]) -> str:
 
 
 def write_conversations_jsonl(conversations: Iterable[Conversation], path: str | Path) -> None:
-    """Write {"id", "conversations": [{"role", "content"}]} per line, atomically (temp file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(_lines(conversations), encoding="utf-8")
-    tmp.replace(path)
+    """Write {"id", "conversations": [{"role", "content"}]} per line, atomically."""
+    write_text_atomically(path, _lines(conversations))
 
 
 def append_conversations_jsonl(conversations: Iterable[Conversation], path: str | Path) -> None:
@@ -359,10 +348,48 @@ def read_finished(path: Path) -> list[Conversation]:
         except json.JSONDecodeError:
             if number == len(lines):  # no newline after it: the write was cut off
                 break
-            raise ValueError(f"{path}:{number}: not valid JSON; is this file the output of an earlier run?") from None
+            raise DataError(f"{path}:{number}: not valid JSON; is this file the output of an earlier run?") from None
         messages = [Message(m["role"], m["content"]) for m in record["conversations"]]
         records.append(Conversation(messages, id=record["id"], source=f"{path}:{number}"))
     return records
+
+
+class Regeneration:
+    """One conversation whose assistant turns are replaced, turn by turn, by the target's replies: its system
+    and user messages are kept in order, and each user turn is asked after the target's own earlier replies.
+    Both regenerators drive it: in process (many in lockstep, one batched generate per round) and through a
+    server (one request at a time)."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        self.original = conversation
+        self.history: list[Message] = []  # the regenerated conversation so far
+        self.unasked = [m for m in conversation.messages if m.role != "assistant"]
+
+    @property
+    def done(self) -> bool:
+        return not any(m.role == "user" for m in self.unasked)
+
+    def _next_turn(self) -> list[Message]:
+        """The messages up to and including the next user turn (a system message may lead)."""
+        cut = next(k for k, m in enumerate(self.unasked) if m.role == "user") + 1
+        return self.unasked[:cut]
+
+    def next_prompt(self) -> list[dict[str, str]]:
+        """The conversation to answer next, as chat-template input (call only while not `done`)."""
+        return [{"role": m.role, "content": m.content} for m in self.history + self._next_turn()]
+
+    def answer(self, reply: str | None) -> None:
+        """The target's reply to `next_prompt()`; None when it does not fit the context: the conversation then
+        ends with its previous reply."""
+        if reply is None:
+            self.unasked = []
+            return
+        turn = self._next_turn()
+        self.history += turn + [Message("assistant", reply)]
+        self.unasked = self.unasked[len(turn) :]
+
+    def conversation(self) -> Conversation:
+        return Conversation(self.history, id=self.original.id, source=self.original.source)
 
 
 def resume_by_id(conversations: list[Conversation], out_path: Path, resume: bool) -> list[Conversation]:
@@ -371,7 +398,7 @@ def resume_by_id(conversations: list[Conversation], out_path: Path, resume: bool
     with just those, which drops a last line cut short by an interruption."""
     repeated = [i for i, n in Counter(c.id for c in conversations).items() if n > 1]
     if repeated:
-        raise ValueError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
+        raise DataError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
     done = read_finished(out_path) if resume and out_path.exists() else []
     write_conversations_jsonl(done, out_path)
     return done

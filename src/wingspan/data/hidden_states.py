@@ -29,10 +29,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from wingspan.config import ConfigError, TrainConfig, from_dict, read_mapping, save_json
+from wingspan.config import TrainConfig, from_dict, read_mapping, save_json
 from wingspan.data.batching import collate, plan_packed
-from wingspan.data.conversations import DataError
 from wingspan.data.template import TokenizedConversation
+from wingspan.errors import ConfigError, DataError
+from wingspan.files import atomic_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -254,9 +255,8 @@ def write_dump(
     for shard in todo:
         shard_records = records[shard.first_record : shard.first_record + shard.num_records]
         tensors = shard_tensors(target, shard_records, identity.max_length, batch_tokens, progress)
-        tmp = out / f".{shard.file}.tmp"
-        save_file(tensors, str(tmp))
-        tmp.replace(out / shard.file)
+        with atomic_file(out / shard.file) as tmp:
+            save_file(tensors, str(tmp))
         shard.done = True
         save_json(manifest, manifest_path)
     progress.close()

@@ -20,15 +20,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from wingspan.data.conversations import Conversation, Message, append_conversations_jsonl, resume_by_id
+from wingspan.data.conversations import Conversation, Regeneration, append_conversations_jsonl, resume_by_id
+from wingspan.errors import ConfigError, ServerError
 
 RETRIES = 4  # connection errors and 5xx: the server may be restarting or overloaded
 # What vLLM and SGLang say when the prompt plus max_tokens exceeds the context (HTTP 400).
 CONTEXT_ERRORS = ("maximum context length", "context length", "too long", "max_model_len")
-
-
-class ServerError(RuntimeError):
-    """The server refused a request for a reason other than the prompt's length."""
 
 
 class ChatServer:
@@ -84,22 +81,13 @@ class ChatServer:
 def reply_turn_by_turn(
     server: ChatServer, conversation: Conversation, max_new_tokens: int, temperature: float, seed: int
 ) -> Conversation:
-    """Answer each user turn after the target's own earlier replies; stop where the context is full.
-    Sampling is seeded per conversation (seed, id), so a reply does not depend on what ran before it."""
+    """Regenerate one conversation; it stops where the context is full. Sampling is seeded per conversation
+    (seed, id), so a reply does not depend on what ran before it."""
     seed = random.Random(f"regenerate/{seed}/{conversation.id}").getrandbits(31)
-    history: list[Message] = []
-    pending: list[Message] = []
-    for message in (m for m in conversation.messages if m.role != "assistant"):
-        pending.append(message)
-        if message.role != "user":
-            continue
-        asked = history + pending
-        messages = [{"role": m.role, "content": m.content} for m in asked]
-        reply = server.reply(messages, max_new_tokens, temperature, seed)
-        if reply is None:
-            break
-        history, pending = asked + [Message("assistant", reply)], []
-    return Conversation(history, id=conversation.id, source=conversation.source)
+    regeneration = Regeneration(conversation)
+    while not regeneration.done:
+        regeneration.answer(server.reply(regeneration.next_prompt(), max_new_tokens, temperature, seed))
+    return regeneration.conversation()
 
 
 def regenerate_via_server(
@@ -115,7 +103,7 @@ def regenerate_via_server(
 ) -> int:
     """`synth.regenerate` through a server; returns the number of conversations in `out_path`."""
     if concurrency < 1:
-        raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+        raise ConfigError(f"concurrency: must be >= 1, got {concurrency}")
     out_path = Path(out_path)
     done = resume_by_id(conversations, out_path, resume)
     finished = {c.id for c in done}

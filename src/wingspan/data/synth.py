@@ -22,32 +22,18 @@ from tqdm import tqdm
 from wingspan.data.conversations import (
     Conversation,
     Message,
+    Regeneration,
     append_conversations_jsonl,
     read_finished,
     resume_by_id,
     write_conversations_jsonl,
 )
-from wingspan.models.target import Generation, TargetModel, end_of_turn_id, special_ids
+from wingspan.data.template import chat_prompt, end_of_turn_id, special_ids, user_turn_prefix
+from wingspan.errors import ConfigError, DataError
+from wingspan.models.target import Generation, TargetModel
 
 MIN_USER_CHARS = 10  # shorter sampled user turns are greetings or fragments ("Hi", "What?")
 MAX_STUCK_BATCHES = 20  # synthesize gives up when this many batches in a row yield nothing usable
-
-
-def chat_prompt(target: TargetModel, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` rendered with the target's chat template, ready for the assistant to answer."""
-    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # The template writes any BOS itself; the tokenizer must not add another.
-    return target.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def user_turn_prefix(target: TargetModel) -> list[int]:
-    """Everything the chat template writes before a first user message's content (default system
-    prompt, role header), found by rendering a sentinel: works for any template."""
-    sentinel = "\ue000wingspan\ue000"
-    text = target.tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
-    if sentinel not in text:
-        raise ValueError(f"{target.name}: the chat template does not render the user message's content")
-    return target.tokenizer(text[: text.index(sentinel)], add_special_tokens=False)["input_ids"]
 
 
 def decode(target: TargetModel, generation: Generation) -> str:
@@ -78,7 +64,7 @@ def synthesize(
     number of conversations in `out_path`.
     """
     if user_temperature <= 0:
-        raise ValueError("user_temperature must be > 0: greedy user turns would all be the same")
+        raise ConfigError("user_temperature must be > 0: greedy user turns would all be the same")
     out_path = Path(out_path)
     done = read_finished(out_path) if resume and out_path.exists() else []
     if len(done) >= num_conversations:
@@ -90,7 +76,7 @@ def synthesize(
         done = [c for c in done if synth_batch_index(c.id, seed, out_path) < batch]
     write_conversations_jsonl(done, out_path)
 
-    prefix = user_turn_prefix(target)
+    prefix = user_turn_prefix(target.tokenizer)
     # A user turn ends with the template's end-of-user-turn token ([/INST] for Mistral), or any eos.
     user_end = end_of_turn_id(target.tokenizer, "user")
     user_stops = sorted(set(target.eos_token_ids) | ({user_end} if user_end is not None else set()))
@@ -113,7 +99,7 @@ def synthesize(
                 else:
                     users.append(text)
             reply_seed = rng.getrandbits(63)
-            prompts = [chat_prompt(target, [{"role": "user", "content": u}]) for u in users]
+            prompts = [chat_prompt(target.tokenizer, [{"role": "user", "content": u}]) for u in users]
             replies = target.generate(prompts, max_new_tokens, reply_temperature, seed=reply_seed) if users else []
             new = []
             for user, reply in zip(users, replies):
@@ -131,7 +117,7 @@ def synthesize(
             bar.set_postfix(dict(rejected.most_common(3)))
             stuck = 0 if new else stuck + 1
             if stuck >= MAX_STUCK_BATCHES:
-                raise RuntimeError(
+                raise DataError(
                     f"{target.name}: {stuck} batches in a row gave no usable conversation (rejected: "
                     f"{dict(rejected)}); is it an instruction-tuned model with a chat template?"
                 )
@@ -155,7 +141,7 @@ def reject_user_turn(generation: Generation, text: str, specials: set[int], seen
 def synth_batch_index(conversation_id: str, seed: int, path: Path) -> int:
     match = re.fullmatch(rf"synth-{seed}-(\d+)-\d+", conversation_id)
     if not match:
-        raise ValueError(
+        raise DataError(
             f"{path}: id {conversation_id!r} is not from a synthesize run with seed {seed}; "
             "use another output file, or resume=False to overwrite it"
         )
@@ -193,7 +179,7 @@ def regenerate(
     for conversation in conversations:
         turns = conversation.as_dicts()
         first_user = next(i for i, m in enumerate(turns) if m["role"] == "user")
-        first_prompt_length[conversation.id] = len(chat_prompt(target, turns[: first_user + 1]))
+        first_prompt_length[conversation.id] = len(chat_prompt(target.tokenizer, turns[: first_user + 1]))
     ordered = sorted(conversations, key=lambda c: first_prompt_length[c.id])
     batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
@@ -225,27 +211,20 @@ def reply_turn_by_turn(
     max_length: int,
     seed: str,
 ) -> list[Conversation]:
-    """Answer each user turn of every conversation, one round per turn, each round one batched generate."""
+    """Regenerate every conversation of `batch`, one round per turn, each round one batched generate."""
     rng = random.Random(f"regenerate/{seed}")
-    asked = [[m for m in c.messages if m.role != "assistant"] for c in batch]
-    history: list[list[Message]] = [[] for _ in batch]
-    active = list(range(len(batch)))
-    while active:
+    regenerations = [Regeneration(c) for c in batch]
+    while active := [r for r in regenerations if not r.done]:
         prompts, waiting = [], []
-        for i in active:
-            # Carry over the messages up to and including the next user turn (a system message may lead).
-            cut = next(k for k, m in enumerate(asked[i]) if m.role == "user") + 1
-            turns = history[i] + asked[i][:cut]
-            prompt = chat_prompt(target, [{"role": m.role, "content": m.content} for m in turns])
+        for regeneration in active:
+            prompt = chat_prompt(target.tokenizer, regeneration.next_prompt())
             if len(prompt) + max_new_tokens > max_length:
-                asked[i] = []  # no room for this turn: the conversation ends with its previous reply
+                regeneration.answer(None)
                 continue
-            history[i], asked[i] = turns, asked[i][cut:]
             prompts.append(prompt)
-            waiting.append(i)
+            waiting.append(regeneration)
         if waiting:
             replies = target.generate(prompts, max_new_tokens, temperature=temperature, seed=rng.getrandbits(63))
-            for i, reply in zip(waiting, replies):
-                history[i].append(Message("assistant", decode(target, reply)))
-        active = [i for i in active if any(m.role == "user" for m in asked[i])]
-    return [Conversation(h, id=c.id, source=c.source) for c, h in zip(batch, history)]
+            for regeneration, reply in zip(waiting, replies):
+                regeneration.answer(decode(target, reply))
+    return [r.conversation() for r in regenerations]

@@ -24,9 +24,12 @@ import numpy as np
 from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import PreTrainedTokenizerBase
 
-from wingspan.data.conversations import Conversation, DataError, SkipReport
+from wingspan.data.conversations import Conversation, SkipReport
+from wingspan.errors import DataError, ModelError
 
-_SENTINEL = "WINGSPAN{}SENTINEL"
+# A stand-in for message contents, to see what the template writes around them. Private-use characters: no
+# template rewrites them and no tokenizer merges them with their neighbours.
+_SENTINEL = "\ue000wingspan{}\ue000"
 _BATCH = 256  # conversations tokenized per call: the Rust tokenizer parallelises within a batch
 
 
@@ -38,6 +41,47 @@ class TokenizedConversation:
 
 class TemplateAlignmentError(DataError):
     """The rendered conversation could not be matched to its messages (the template rewrites contents)."""
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered with the chat template, ready for the assistant to answer."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template writes any BOS itself; the tokenizer must not add another.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def user_turn_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Everything the chat template writes before a first user message's content (default system prompt,
+    role header)."""
+    sentinel = _SENTINEL.format(0)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
+    if sentinel not in text:
+        raise ModelError(f"{tokenizer.name_or_path}: the chat template does not render the user message's content")
+    return tokenizer(text[: text.index(sentinel)], add_special_tokens=False)["input_ids"]
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, role: str) -> int | None:
+    """The special token the chat template writes right after a `role` message's content, if any
+    (<|im_end|> for ChatML, <|eot_id|> for Llama 3, [/INST] after a Mistral user turn)."""
+    sentinel = _SENTINEL.format(0)
+    messages = [{"role": "user", "content": sentinel}]
+    if role == "assistant":
+        messages.append({"role": "assistant", "content": sentinel})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except TemplateError:  # a template that rejects this minimal conversation says nothing about its turns
+        return None
+    if sentinel not in text:
+        return None
+    after = text[text.rindex(sentinel) + len(sentinel) :].lstrip()  # Mistral: "... [/INST]"
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    return ids[0] if ids and ids[0] in special_ids(tokenizer) else None
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Named special tokens (bos, eos, ...) and added tokens marked special (<|im_start|>, ...)."""
+    added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return set(tokenizer.all_special_ids) | added
 
 
 def render_with_spans(
@@ -134,22 +178,6 @@ def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], te
     return ((covered[bounds[:, 1]] - covered[bounds[:, 0]]) > 0).astype(np.int64).tolist()
 
 
-def _check_fast(tokenizer: PreTrainedTokenizerBase) -> None:
-    if not tokenizer.is_fast:
-        raise ValueError("the loss mask needs a fast tokenizer (character offsets); load it with use_fast=True")
-
-
-def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, max_length: int
-) -> TokenizedConversation:
-    """Token ids of the templated conversation and its assistant loss mask, both cut to the first max_length."""
-    _check_fast(tokenizer)
-    text, spans = render_with_spans(tokenizer, conversation)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = _token_mask(encoding["offset_mapping"], spans, len(text))
-    return TokenizedConversation(encoding["input_ids"][:max_length], mask[:max_length])
-
-
 def tokenize_conversations(
     tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int
 ) -> tuple[list[TokenizedConversation], SkipReport]:
@@ -159,7 +187,8 @@ def tokenize_conversations(
     template rewrites beyond recognition, and one with no masked token within max_length. Nothing left is a
     DataError; a template that does not parse raises at once.
     """
-    _check_fast(tokenizer)
+    if not tokenizer.is_fast:
+        raise ModelError("the loss mask needs a fast tokenizer (character offsets); load it with use_fast=True")
     markers = _added_tokens(tokenizer)  # once: some tokenizers have thousands of added tokens
     report = SkipReport(total=len(conversations))
     records: list[TokenizedConversation] = []
@@ -170,8 +199,8 @@ def tokenize_conversations(
                 rendered.append((conversation, *render_with_spans(tokenizer, conversation, markers)))
             except TemplateAlignmentError as error:
                 report.add("template rewrites contents", str(error))
-            except TemplateSyntaxError:
-                raise  # a broken template, not a bad conversation
+            except TemplateSyntaxError as error:  # a broken template, not a bad conversation
+                raise ModelError(f"{tokenizer.name_or_path}: the chat template does not parse: {error}") from None
             except TemplateError as error:  # the template's own raise_exception(), e.g. roles must alternate
                 report.add("chat template error", f"{conversation.source}: {error}")
         if not rendered:

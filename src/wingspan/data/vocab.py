@@ -8,7 +8,6 @@ Draft ids are ordered by ascending target id.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from wingspan.data.conversations import DataError
 from wingspan.data.template import TokenizedConversation
+from wingspan.errors import ConfigError, DataError
+from wingspan.files import atomic_file
 
 
 @dataclass
@@ -27,7 +27,6 @@ class DraftVocab:
     d2t: torch.Tensor  # int64 [draft_vocab_size]: target id = i + d2t[i]
     t2d: torch.Tensor  # bool [target_vocab_size]: True where the target id has a draft id
     coverage: float  # share of the counted assistant tokens that the draft vocab covers
-    selected_counts: torch.Tensor  # int64 [draft_vocab_size]: how often each draft token was counted
 
     @property
     def draft_vocab_size(self) -> int:
@@ -37,13 +36,8 @@ class DraftVocab:
     def target_vocab_size(self) -> int:
         return self.t2d.numel()
 
-    def target_ids(self) -> torch.Tensor:
-        return draft_to_target_ids(self.d2t)
-
     def save(self, path: str | Path) -> None:
-        """safetensors (d2t, t2d, selected_counts) with sizes and coverage as JSON metadata; atomic."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """safetensors (d2t, t2d) with sizes and coverage as JSON metadata; atomic."""
         metadata = {
             "draft_vocab": json.dumps(
                 {
@@ -53,10 +47,9 @@ class DraftVocab:
                 }
             )
         }
-        tensors = {"d2t": self.d2t, "t2d": self.t2d, "selected_counts": self.selected_counts}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
+        tensors = {"d2t": self.d2t, "t2d": self.t2d}
+        with atomic_file(path) as tmp:
+            save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Path) -> DraftVocab:
@@ -70,12 +63,12 @@ class DraftVocab:
                 metadata = json.loads((f.metadata() or {}).get("draft_vocab", "{}"))
         except (SafetensorError, OSError, json.JSONDecodeError) as error:
             raise DataError(f"{path}: not a readable draft vocab ({error})") from None
-        missing = sorted({"d2t", "t2d", "selected_counts"} - set(tensors))
+        missing = sorted({"d2t", "t2d"} - set(tensors))
         if missing:
             raise DataError(f"{path}: missing tensor(s) {missing}")
         if "coverage" not in metadata:
             raise DataError(f"{path}: metadata lacks 'draft_vocab' (target_vocab_size, coverage)")
-        vocab = cls(tensors["d2t"], tensors["t2d"], float(metadata["coverage"]), tensors["selected_counts"])
+        vocab = cls(tensors["d2t"], tensors["t2d"], float(metadata["coverage"]))
         vocab._validate(path, metadata)
         return vocab
 
@@ -85,9 +78,6 @@ class DraftVocab:
             raise DataError(f"{path}: d2t must be a 1-D int64 tensor, got {d2t.dtype} {list(d2t.shape)}")
         if t2d.dtype != torch.bool or t2d.dim() != 1:
             raise DataError(f"{path}: t2d must be a 1-D bool tensor, got {t2d.dtype} {list(t2d.shape)}")
-        if self.selected_counts.shape != d2t.shape:
-            shapes = f"{list(self.selected_counts.shape)}, d2t {list(d2t.shape)}"
-            raise DataError(f"{path}: selected_counts has shape {shapes}")
         if metadata.get("target_vocab_size", t2d.numel()) != t2d.numel():
             said = metadata["target_vocab_size"]
             raise DataError(f"{path}: t2d has {t2d.numel()} entries but metadata says target_vocab_size {said}")
@@ -106,7 +96,7 @@ def count_assistant_tokens(records: Iterable[TokenizedConversation], target_voca
     ids = [np.asarray(r.input_ids, dtype=np.int64)[np.asarray(r.loss_mask, dtype=bool)] for r in records]
     masked = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     if masked.size and (masked.min() < 0 or masked.max() >= target_vocab_size):
-        raise ValueError(f"token id {int(masked.max())} is outside the target vocabulary of {target_vocab_size}")
+        raise DataError(f"token id {int(masked.max())} is outside the target vocabulary of {target_vocab_size}")
     return np.bincount(masked, minlength=target_vocab_size).astype(np.int64)
 
 
@@ -123,17 +113,17 @@ def build_draft_vocab(
     vocab up to its exact size, so the draft's shapes never depend on the data.
     """
     if not 0 < draft_vocab_size <= target_vocab_size:
-        raise ValueError(f"draft_vocab_size must be in 1..{target_vocab_size}, got {draft_vocab_size}")
+        raise ConfigError(f"draft_vocab_size must be in 1..{target_vocab_size}, got {draft_vocab_size}")
     forced = sorted(set(always_include))
     if any(not 0 <= i < target_vocab_size for i in forced):
-        raise ValueError(f"always_include ids must be in 0..{target_vocab_size - 1}, got {forced}")
+        raise ConfigError(f"always_include ids must be in 0..{target_vocab_size - 1}, got {forced}")
     if len(forced) > draft_vocab_size:
-        raise ValueError(f"always_include has {len(forced)} ids, more than draft_vocab_size {draft_vocab_size}")
+        raise ConfigError(f"always_include has {len(forced)} ids, more than draft_vocab_size {draft_vocab_size}")
 
     counts = count_assistant_tokens(records, target_vocab_size)
     total = int(counts.sum())
     if total == 0:
-        raise ValueError("no assistant token to count: the records have an empty loss mask")
+        raise DataError("no assistant token to count: the records have an empty loss mask")
     # Forced ids first, then by descending count; the stable sort breaks ties (and orders unseen ids) by id.
     priority = -counts.astype(np.float64)
     priority[forced] = -np.inf
@@ -143,4 +133,4 @@ def build_draft_vocab(
     t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
     t2d[torch.from_numpy(chosen)] = True
     d2t = torch.from_numpy(chosen.astype(np.int64) - np.arange(draft_vocab_size, dtype=np.int64))
-    return DraftVocab(d2t=d2t, t2d=t2d, coverage=coverage, selected_counts=torch.from_numpy(counts[chosen]))
+    return DraftVocab(d2t=d2t, t2d=t2d, coverage=coverage)

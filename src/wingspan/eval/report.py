@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from wingspan.config import to_dict
-from wingspan.eval import import_optional
 from wingspan.eval.runner import EvalSettings, SetResult
+from wingspan.files import write_text_atomically
+from wingspan.plots import agg_figure, require_matplotlib, save_png
 
 COLUMNS = (
     "set",
@@ -47,15 +48,9 @@ def write_report(
         },
         "sets": [to_dict(result) for result in sets],
     }
-    write_atomically(out_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False) + "\n")
-    write_atomically(out_dir / "results.md", markdown(sets, settings, target=target, draft=draft, dtype=dtype))
+    write_text_atomically(out_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomically(out_dir / "results.md", markdown(sets, settings, target=target, draft=draft, dtype=dtype))
     plot_acceptance(sets, out_dir / "acceptance.png")
-
-
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def decoding(settings: EvalSettings) -> str:
@@ -110,11 +105,6 @@ def markdown(sets: list[SetResult], settings: EvalSettings, *, target: str, draf
     return "\n".join(lines)
 
 
-def require_matplotlib() -> None:
-    """Fail now, not after the evaluation, when the plot cannot be drawn."""
-    import_optional("matplotlib", "matplotlib", "the report's plots (PNG)")
-
-
 def plot_acceptance(sets: list[SetResult], path: Path) -> None:
     """Acceptance rate per draft position, one line per set (tau in the legend)."""
     require_matplotlib()
@@ -133,21 +123,3 @@ def plot_acceptance(sets: list[SetResult], path: Path) -> None:
     if axes.lines:
         axes.legend()
     save_png(figure, path)
-
-
-def agg_figure(**kwargs):
-    """A matplotlib Figure on the Agg canvas directly, not pyplot: no GUI backend, no global figure state."""
-    require_matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(layout="constrained", **kwargs)
-    FigureCanvasAgg(figure)
-    return figure
-
-
-def save_png(figure, path: Path) -> None:
-    """Written to a temporary name and renamed, like every report file."""
-    tmp = path.with_name(path.name + ".tmp")
-    figure.savefig(tmp, format="png", dpi=120)
-    tmp.replace(path)

@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from wingspan.config import ConfigError, DraftConfig, load
-from wingspan.data.synth import chat_prompt
+from wingspan.config import DraftConfig, load
+from wingspan.data.template import chat_prompt
 from wingspan.decode.speculative import SpecResult, TreeShape, plain_generate, speculative_generate
+from wingspan.errors import ConfigError
 from wingspan.eval.prompts import EvalPrompt
 from wingspan.export.vllm import ARCHITECTURE, draft_config_from_vllm, is_vllm_export, load_vllm_export
 from wingspan.models.draft import Eagle3Draft
@@ -217,7 +218,7 @@ def run_conversation(
     done = []
     for user in turns:
         messages.append({"role": "user", "content": user})
-        ids = chat_prompt(target, messages)
+        ids = chat_prompt(target.tokenizer, messages)
         start = time.perf_counter()
         result = decode(ids, max_new_tokens, generator)
         seconds = time.perf_counter() - start

@@ -17,29 +17,23 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
 from pathlib import Path
-from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from wingspan.config import ConfigError, DraftConfig, from_dict
-from wingspan.models.draft import Eagle3Draft, new_kv_caches
+from wingspan.config import DraftConfig, from_dict
+from wingspan.dtypes import DtypeName, dtype_name, torch_dtype
+from wingspan.errors import ConfigError, ExportError
+from wingspan.files import atomic_directory
+from wingspan.models.draft import WEIGHTS, Eagle3Draft, new_kv_caches
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-WEIGHTS = "model.safetensors"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Variants of vLLM's EAGLE-3 layer that our draft does not compute; an export that sets one is not ours.
 UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # Relative L2 error of the logits allowed between the draft and its export cast to 16 bits. bf16 keeps 8
 # significant bits (relative rounding <= 2^-9 per weight); a few layers compound that to ~1e-2 at most.
 HALF_PRECISION_TOLERANCE = 0.03
-
-
-class ExportError(ValueError):
-    """A draft that cannot be exported faithfully, or an export that does not reproduce its draft."""
 
 
 def check_exportable(draft: Eagle3Draft) -> None:
@@ -152,34 +146,22 @@ def export_vllm(
     out_dir: str | Path,
     *,
     target_model_type: str | None = None,
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+    dtype: DtypeName = "bfloat16",
 ) -> Path:
     """Write `draft` to `out_dir` in vLLM's layout, verify it by loading it back, then move it into place.
 
     An existing `out_dir` is replaced only if it holds an earlier vLLM export (or nothing).
     """
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype: {dtype!r} is not one of {list(DTYPES)}")
+    dtype = dtype_name(dtype)
     check_exportable(draft)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not is_vllm_export(out_dir):
         raise ExportError(f"{out_dir}: exists and is not a vLLM draft export; refusing to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        save_file(export_tensors(draft, DTYPES[dtype]), str(tmp / WEIGHTS), metadata={"format": "pt"})
+    with atomic_directory(out_dir) as tmp:
+        save_file(export_tensors(draft, torch_dtype(dtype)), str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = vllm_config(draft.config, dtype, target_model_type)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         verify_export(draft, tmp)
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -245,7 +227,7 @@ def verify_export(draft: Eagle3Draft, directory: Path) -> None:
     (fp32 arithmetic on both sides), and stay within 16-bit rounding of the draft itself."""
     reference = copy.deepcopy(draft).float().eval()
     exported = load_vllm_export(directory, reference.embed_tokens.weight).eval()
-    dtype = DTYPES[json.loads((directory / "config.json").read_text())["torch_dtype"]]
+    dtype = torch_dtype(json.loads((directory / "config.json").read_text())["torch_dtype"])
     rounded = copy.deepcopy(reference)
     cast = {k: v.to(dtype) for k, v in reference.trainable_state_dict().items() if v.is_floating_point()}
     rounded.load_state_dict(cast, strict=False)

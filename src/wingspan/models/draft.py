@@ -18,6 +18,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from wingspan.config import DraftConfig, from_dict, to_dict
+from wingspan.errors import CheckpointError
+from wingspan.files import atomic_file, write_text_atomically
+
+WEIGHTS = "model.safetensors"
+CONFIG = "draft_config.json"
 
 
 class RMSNorm(nn.Module):
@@ -174,30 +179,29 @@ class Eagle3Draft(nn.Module):
         missing, unexpected = self.load_state_dict(state, strict=False)
         missing = [k for k in missing if k != "embed_tokens.weight"]
         if missing or unexpected:
-            raise ValueError(
+            raise CheckpointError(
                 f"{source}: draft weights do not match the config: missing {missing}, unexpected {unexpected}"
             )
-
-    def save(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
-        tmp = directory / "model.safetensors.tmp"
-        save_file(tensors, str(tmp))
-        tmp.replace(directory / "model.safetensors")
-        (directory / "draft_config.json.tmp").write_text(json.dumps(to_dict(self.config), indent=2) + "\n")
-        (directory / "draft_config.json.tmp").replace(directory / "draft_config.json")
 
     @classmethod
     def load(cls, directory: str | Path, embed_weight: torch.Tensor | None = None) -> Eagle3Draft:
         """Load a saved draft; the frozen embeddings come from the target (`embed_weight`)."""
         directory = Path(directory)
-        config = from_dict(DraftConfig, json.loads((directory / "draft_config.json").read_text()))
+        config = from_dict(DraftConfig, json.loads((directory / CONFIG).read_text()))
         model = cls(config)
-        model.load_trainable_state(load_file(str(directory / "model.safetensors")), source=str(directory))
+        model.load_trainable_state(load_file(str(directory / WEIGHTS)), source=str(directory))
         if embed_weight is not None:
             model.embed_tokens.weight.data.copy_(embed_weight)
         return model
+
+
+def write_draft(directory: str | Path, weights: dict[str, torch.Tensor], config: DraftConfig) -> None:
+    """The draft directory `Eagle3Draft.load` reads, from a draft's `trainable_state_dict()` (under FSDP the
+    weights gathered on rank 0, hence no module here)."""
+    directory = Path(directory)
+    with atomic_file(directory / WEIGHTS) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp))
+    write_text_atomically(directory / CONFIG, json.dumps(to_dict(config), indent=2) + "\n")
 
 
 class KVCache:

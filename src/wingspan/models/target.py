@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from jinja2 import TemplateError
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from wingspan.data.template import end_of_turn_id
+from wingspan.dtypes import torch_dtype
+from wingspan.errors import ConfigError, ModelError
 from wingspan.models.registry import resolve_target
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass
@@ -47,32 +47,8 @@ def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
         return layers
     candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
     if len(candidates) != 1:
-        raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
+        raise ModelError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
     return candidates[0]
-
-
-def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, role: str) -> int | None:
-    """The special token the chat template writes right after a `role` message's content, if any
-    (<|im_end|> for ChatML, <|eot_id|> for Llama 3, [/INST] after a Mistral user turn)."""
-    sentinel = "\ue000wingspan\ue000"  # private-use characters: no template or tokenizer merges them away
-    messages = [{"role": "user", "content": sentinel}]
-    if role == "assistant":
-        messages.append({"role": "assistant", "content": sentinel})
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-    except TemplateError:  # a template that rejects this minimal conversation says nothing about its turns
-        return None
-    if sentinel not in text:
-        return None
-    after = text[text.rindex(sentinel) + len(sentinel) :].lstrip()  # Mistral: "... [/INST]"
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
-    return ids[0] if ids and ids[0] in special_ids(tokenizer) else None
-
-
-def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """Named special tokens (bos, eos, ...) and added tokens marked special (<|im_start|>, ...)."""
-    added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    return set(tokenizer.all_special_ids) | added
 
 
 class TargetModel:
@@ -96,7 +72,7 @@ class TargetModel:
         ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else list(aux_layer_ids)
         bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.num_layers]
         if not ids or bad:
-            raise ValueError(
+            raise ConfigError(
                 f"aux_layer_ids {ids}: each id must be a decoder layer index in 0..{self.num_layers - 1} "
                 f"({name} has {self.num_layers} layers; id k is the input of layer k)"
             )
@@ -114,9 +90,7 @@ class TargetModel:
     ) -> TargetModel:
         """Load an embedded name (see `wingspan models list`), a checkpoint directory or a hub id."""
         if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
+            dtype = torch_dtype(dtype)
         path = resolve_target(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from wingspan.config import ConfigError, TrainConfig, from_dict, read_mapping, save_json, to_dict
+from wingspan.config import TrainConfig, from_dict, read_mapping, save_json, to_dict
+from wingspan.errors import ConfigError
 from wingspan.eval.prompts import EvalPrompt, load_prompt_sets
-from wingspan.eval.report import write_atomically
 from wingspan.eval.runner import EvalSettings, evaluate, load_draft
+from wingspan.files import write_text_atomically
 from wingspan.models.draft import Eagle3Draft
 
 INJECTIONS = ("first", "all")
@@ -209,7 +210,7 @@ def evaluate_setting(
             print(f"[{setting.name}] {decoder} on {name}")
             result = evaluate(target, draft, prompts, settings, name=f"{setting.name} {decoder} {name}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(
+            write_text_atomically(
                 path, json.dumps({"settings": to_dict(settings), "result": to_dict(result)}, indent=1) + "\n"
             )
 

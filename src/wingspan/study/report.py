@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from wingspan.config import to_dict
-from wingspan.eval.report import agg_figure, save_png, write_atomically
+from wingspan.files import write_text_atomically
+from wingspan.plots import agg_figure, save_png
 from wingspan.study.fit import LogFit, bootstrap_interval, fit_log_linear, log_slope, prompts_tau
 from wingspan.study.layers import DECODERS, SettingResult, StudyConfig
 
@@ -150,8 +151,8 @@ def write_study_report(config: StudyConfig, out: Path, rows: list[SettingResult]
         "settings": [to_dict(r) for r in rows],
         "fits": [to_dict(f) for f in fit_rows],
     }
-    write_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
-    write_atomically(out / "report.md", markdown(config, rows, set_names, fit_rows))
+    write_text_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
+    write_text_atomically(out / "report.md", markdown(config, rows, set_names, fit_rows))
     plot(config, rows, fit_rows, set_names, out)
 
 

@@ -1,7 +1,7 @@
 """Atomic, pickle-free training checkpoints: safetensors for tensors, JSON for everything else.
 
-Layout of `<run>/checkpoints/step-<N>/`: draft weights (`model.safetensors`, `draft_config.json`: the layout
-of `Eagle3Draft.save`), `optimizer.safetensors` + `trainer_state.json` (optimizer param groups, step, data
+Layout of `<run>/checkpoints/step-<N>/`: draft weights (`model.safetensors`, `draft_config.json`: the draft
+directory of `write_draft`), `optimizer.safetensors` + `trainer_state.json` (optimizer param groups, step, data
 position, RNG). A checkpoint is written into a temp directory and renamed, so a crash never leaves a half
 checkpoint; `latest` names the newest complete one.
 
@@ -20,13 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from wingspan.config import DraftConfig, to_dict
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+from wingspan.config import DraftConfig
+from wingspan.errors import CheckpointError
+from wingspan.files import atomic_directory, write_text_atomically
+from wingspan.models.draft import WEIGHTS, write_draft
 
 
 def optimizer_to_tensors(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -47,15 +44,6 @@ def optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> dict
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def write_draft(directory: Path, weights: dict[str, torch.Tensor], config: DraftConfig) -> None:
-    """A draft directory `Eagle3Draft.load` reads, from its trainable state dict."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / "model.safetensors.tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp))
-    tmp.replace(directory / "model.safetensors")
-    _write_text_atomic(directory / "draft_config.json", json.dumps(to_dict(config), indent=2) + "\n")
-
-
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -69,16 +57,13 @@ def save_checkpoint(
     `optimizer.state_dict()` of those parameters) and keep the newest `keep`."""
     checkpoints = run_dir / "checkpoints"
     final = checkpoints / f"step-{step}"
-    tmp = checkpoints / f".step-{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_draft(tmp, weights, config)
-    tensors, meta = optimizer_to_tensors(optimizer_state)
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    state = dict(trainer_state, optimizer=meta, torch_rng_state=torch.get_rng_state().tolist())
-    (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    _write_text_atomic(checkpoints / "latest", final.name + "\n")
+    with atomic_directory(final) as tmp:
+        write_draft(tmp, weights, config)
+        tensors, meta = optimizer_to_tensors(optimizer_state)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        state = dict(trainer_state, optimizer=meta, torch_rng_state=torch.get_rng_state().tolist())
+        (tmp / "trainer_state.json").write_text(json.dumps(state) + "\n")
+    write_text_atomically(checkpoints / "latest", final.name + "\n")
     for old in sorted(checkpoints.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
         shutil.rmtree(old)
     return final
@@ -90,7 +75,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     path = run_dir / "checkpoints" / pointer.read_text().strip()
     if not (path / "trainer_state.json").exists():
-        raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
+        raise CheckpointError(f"{pointer} names {path}, which is not a complete checkpoint")
     return path
 
 
@@ -108,4 +93,4 @@ def read_checkpoint(path: Path) -> Checkpoint:
     optimizer_tensors = load_file(str(path / "optimizer.safetensors"))
     optimizer_state = optimizer_from_tensors(optimizer_tensors, trainer_state.pop("optimizer"))
     rng_state = torch.tensor(trainer_state.pop("torch_rng_state"), dtype=torch.uint8)
-    return Checkpoint(path, load_file(str(path / "model.safetensors")), optimizer_state, rng_state, trainer_state)
+    return Checkpoint(path, load_file(str(path / WEIGHTS)), optimizer_state, rng_state, trainer_state)

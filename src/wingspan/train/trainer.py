@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from wingspan.config import ConfigError, DraftConfig, TrainConfig, save_json
+from wingspan.config import DraftConfig, TrainConfig, save_json
 from wingspan.data.batching import collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
-from wingspan.models.draft import Eagle3Draft
-from wingspan.train.checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint, write_draft
+from wingspan.errors import ConfigError
+from wingspan.models.draft import Eagle3Draft, write_draft
+from wingspan.train.checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint
 from wingspan.train.distributed import (
     World,
     clip_grad_norm_,
