@@ -23,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 from wingspan.data.template import chat_prompt
-from wingspan.decode.speculative import SpecResult, TreeShape, plain_generate, speculative_generate
+from wingspan.decode.primitives import SpecResult, TreeShape
+from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.eval.prompts import load_prompt_set
 from wingspan.eval.runner import load_models
 

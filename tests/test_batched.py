@@ -18,7 +18,8 @@ from test_speculative import (
 
 from wingspan.decode import batched, speculative
 from wingspan.decode.batched import plain_generate_batch, speculative_generate_batch
-from wingspan.decode.speculative import TreeShape, plain_generate, speculative_generate
+from wingspan.decode.primitives import TreeShape
+from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.models.target import TargetModel
 
 # Lengths 4, 12, 1, 3: every prefix of this list is a ragged batch.
@@ -44,11 +45,11 @@ def record_chains(monkeypatch) -> dict[str, list[tuple[int, ...]]]:
     calls = {"alone": [], "batch": []}
     for module, key in ((speculative, "alone"), (batched, "batch")):
 
-        def recording(tree, logits, temperature, generator, verify=module._verify, key=key):
+        def recording(tree, logits, temperature, generator, verify=module.verify, key=key):
             calls[key].append(tuple(tree.tokens))
             return verify(tree, logits, temperature, generator)
 
-        monkeypatch.setattr(module, "_verify", recording)
+        monkeypatch.setattr(module, "verify", recording)
     return calls
 
 

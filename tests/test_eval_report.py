@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from wingspan.cli import main
-from wingspan.decode.speculative import SpecResult
+from wingspan.decode.primitives import SpecResult
 from wingspan.errors import MissingPackageError
 from wingspan.eval.prompts import EvalPrompt
 from wingspan.eval.report import write_report

@@ -13,15 +13,14 @@ from test_speculative import FAVOURED, make_draft
 
 from wingspan.config import load, save_json
 from wingspan.data.template import chat_prompt
-from wingspan.decode.speculative import SpecResult
+from wingspan.decode.primitives import SpecResult
 from wingspan.errors import ConfigError
 from wingspan.eval import runner
+from wingspan.eval.metrics import acceptance_length, acceptance_per_position
 from wingspan.eval.prompts import EvalPrompt
 from wingspan.eval.runner import (
     EvalSettings,
     Turn,
-    acceptance_length,
-    acceptance_per_position,
     evaluate,
     load_models,
     prompt_result,
@@ -74,8 +73,8 @@ def test_tau_counts_each_rounds_bonus_token_but_not_the_prefill():
     spec = SpecResult(list(range(9)), target_forwards=4, accepted_per_round=[3, 0, 2], drafted_per_round=[3, 3, 3])
     row = prompt_result(PROMPTS[1], [Turn(20, spec, 1.0, "")], [turn([], [], 9, 2.0)], compare=True)
     assert row.rounds == 3
-    assert row.acceptance_length == pytest.approx(8 / 3) == pytest.approx(spec.acceptance_length)
-    assert acceptance_length([]) is None  # a turn that ended on its prefill token has no round
+    assert row.acceptance_length == pytest.approx(8 / 3) == acceptance_length(3, 3 + 0 + 2)
+    assert acceptance_length(0, 0) is None  # a turn that ended on its prefill token has no round
 
 
 def test_acceptance_per_position_on_constructed_rounds():

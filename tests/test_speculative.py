@@ -5,7 +5,8 @@ import torch
 
 from wingspan.config import DraftConfig
 from wingspan.decode import speculative
-from wingspan.decode.speculative import DraftTree, TreeShape, plain_generate, speculative_generate
+from wingspan.decode.primitives import DraftTree, TreeShape
+from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.models.draft import Eagle3Draft, new_kv_caches
 from wingspan.models.target import TargetModel
 from wingspan.train.ttt import unroll
@@ -206,14 +207,14 @@ def test_tree_gives_the_greedy_tokens(target, layers):
 
 def first_child_paths_only(monkeypatch) -> list[bool]:
     """Record, per verification, whether the accepted path took a child other than the best-scored one."""
-    verify, side_branches = speculative._verify, []
+    verify, side_branches = speculative.verify, []
 
     def recording(tree: DraftTree, logits, temperature, generator):
         path, token = verify(tree, logits, temperature, generator)
         side_branches.append(any(tree.children(tree.parents[node])[0] != node for node in path))
         return path, token
 
-    monkeypatch.setattr(speculative, "_verify", recording)
+    monkeypatch.setattr(speculative, "verify", recording)
     return side_branches
 
 
@@ -336,9 +337,9 @@ def test_greedy_verification_walks_the_longest_matching_path():
     logits = torch.full((5, 10), -1.0)
     for row, best in enumerate([6, 0, 7, 9, 3]):  # root -> 6 (node 1) -> 7 (node 2) -> 9: not a child
         logits[row, best] = 1.0
-    assert speculative._verify(tree, logits, 0.0, None) == ([1, 2], 9)
+    assert speculative.verify(tree, logits, 0.0, None) == ([1, 2], 9)
     logits[3, 9], logits[3, 8] = -1.0, 1.0  # now node 2's best is 8 (node 3), whose best is 3
-    assert speculative._verify(tree, logits, 0.0, None) == ([1, 2, 3], 3)
+    assert speculative.verify(tree, logits, 0.0, None) == ([1, 2, 3], 3)
 
 
 def test_tree_shape_is_validated():

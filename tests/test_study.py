@@ -10,8 +10,9 @@ import pytest
 
 from wingspan.errors import ConfigError
 from wingspan.study import layers as study_layers
+from wingspan.study.config import StudyConfig
 from wingspan.study.fit import bootstrap_interval, fit_log_linear, log_slope, prompts_tau, t_cdf, t_quantile
-from wingspan.study.layers import StudyConfig, open_study, run_study
+from wingspan.study.layers import open_study, run_study
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

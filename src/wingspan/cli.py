@@ -357,7 +357,8 @@ def study_layers(
     results.json, report.md and plots. Extra `key=value` arguments are training fields shared by every setting
     (e.g. lr=1e-3 ttt_steps=4 draft_vocab_size=8192). Resumable; see docs/study.md."""
     from wingspan.plots import require_matplotlib
-    from wingspan.study.layers import StudyConfig, run_study
+    from wingspan.study.config import StudyConfig
+    from wingspan.study.layers import run_study
 
     require_matplotlib()
     config = from_dict(

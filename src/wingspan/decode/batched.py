@@ -31,7 +31,7 @@ as at batch size 1; shallower rows' extra drafts are computed and ignored):
   1. draft step 0 over each row's newly verified positions (left-padded to a common width), then D - 1
      chain steps; the chain keys are cropped afterwards, as at batch size 1;
   2. one target forward over [last token, D drafts] per row; each row is verified on its own by
-     `speculative._verify` on its chain (greedy, or rejection sampling with the same rule and RNG use);
+     `primitives.verify` on its chain (greedy, or rejection sampling with the same rule and RNG use);
   3. the row's rejected slots are marked invalid; its verified aux features feed the next step 0.
 
 Trees are batch-1 only (`speculative_generate(..., tree=...)`): tree masks per row are possible but not
@@ -46,17 +46,17 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from wingspan.decode.speculative import (
+from wingspan.decode.primitives import (
+    Clock,
     DraftTree,
     SpecResult,
     TreeShape,
-    _check_compatible,
-    _choose,
-    _Clock,
-    _finish,
-    _pick,
-    _run_target,
-    _verify,
+    check_compatible,
+    choose_children,
+    finish,
+    pick_token,
+    run_target,
+    verify,
 )
 from wingspan.models.draft import Eagle3Draft, KVCache, MaskedAttend, new_kv_caches
 from wingspan.models.target import TargetModel
@@ -89,7 +89,7 @@ def _target_forward(
     aux [B, T, num_aux * H])."""
     mask = target.model_mask(_attention_mask(valid.to(target.device), ids.shape[1]))
     with target.capture_aux() as captured:
-        out = _run_target(target, ids, cache, last_only, position_ids=positions.to(target.device), attention_mask=mask)
+        out = run_target(target, ids, cache, last_only, position_ids=positions.to(target.device), attention_mask=mask)
     return out.logits, target.aux_features(captured)
 
 
@@ -137,13 +137,13 @@ def _masked(caches: list[KVCache], mask: torch.Tensor) -> list[MaskedAttend]:
 
 
 def _draft_next(
-    draft: Eagle3Draft, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, clock: _Clock
+    draft: Eagle3Draft, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, clock: Clock
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's next draft token (target ids [B]) from pre-norm hidden states [B, H], and the target-vocab
     distributions [B, V] they were sampled from (None when greedy), as `speculative._draft_tree` for a chain."""
     with clock("draft"):
         logits = draft.logits(hidden)
-    tokens, _, q = _choose(draft, logits, 1, temperature, generator)
+    tokens, _, q = choose_children(draft, logits, 1, temperature, generator)
     return tokens[:, 0], q
 
 
@@ -167,7 +167,7 @@ def _check_prompts(prompts: list[list[int]]) -> None:
 
 
 def _prefill(
-    target: TargetModel, prompts: list[list[int]], cache: DynamicCache, clock: _Clock
+    target: TargetModel, prompts: list[list[int]], cache: DynamicCache, clock: Clock
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The prompts, left-padded so that every row's last token is the last slot (logits_to_keep=1 works):
     (valid [B, width], last logits [B, V], aux [B, width, A])."""
@@ -184,7 +184,7 @@ def _finish_rows(rows: list[_Row], max_new_tokens: int, stops: set[int]) -> list
     """Record the result of every row that is done; the batch indices of the others."""
     keep = []
     for b, row in enumerate(rows):
-        tokens, done, stopped = _finish(row.sequence[row.prompt_len :], max_new_tokens, stops)
+        tokens, done, stopped = finish(row.sequence[row.prompt_len :], max_new_tokens, stops)
         if done:
             row.result.tokens, row.result.stopped = tokens, stopped
         else:
@@ -192,7 +192,7 @@ def _finish_rows(rows: list[_Row], max_new_tokens: int, stops: set[int]) -> list
     return keep
 
 
-def _stamp(results: list[SpecResult], clock: _Clock, started: float) -> list[SpecResult]:
+def _stamp(results: list[SpecResult], clock: Clock, started: float) -> list[SpecResult]:
     """The batch's wall times, the same for every row (rows share every forward)."""
     total = time.perf_counter() - started
     for result in results:
@@ -208,7 +208,7 @@ def _draft_chains(
     depth: int,
     temperature: float,
     generator: torch.Generator | None,
-    clock: _Clock,
+    clock: Clock,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
     """One round of drafting for every row: step 0 over the row's newly verified positions p, reading
     (f_p, token p + 1) at RoPE position p, then `depth` chain tokens. Returns the caches' new validity
@@ -268,7 +268,7 @@ def plain_generate_batch(
     samples of the same distribution; rows draw from `generator` in row order). target_forwards counts the
     batched forwards a row took part in; target_s / total_s are the batch's wall times, the same for every row.
     """
-    started, clock = time.perf_counter(), _Clock()
+    started, clock = time.perf_counter(), Clock()
     _check_prompts(prompts)
     stops = set(target.eos_token_ids if stop_ids is None else stop_ids)
     if max_new_tokens <= 0 or not prompts:
@@ -276,7 +276,7 @@ def plain_generate_batch(
     cache = DynamicCache()
     valid, logits, _ = _prefill(target, prompts, cache, clock)
     rows = [
-        _Row(len(p), list(p) + [_pick(logits[b], temperature, generator)], SpecResult([], 1))
+        _Row(len(p), list(p) + [pick_token(logits[b], temperature, generator)], SpecResult([], 1))
         for b, p in enumerate(prompts)
     ]
     results = [row.result for row in rows]
@@ -293,7 +293,7 @@ def plain_generate_batch(
         with clock("target"):
             logits, _ = _target_forward(target, ids, positions, valid, cache)
         for b, row in enumerate(rows):
-            row.sequence.append(_pick(logits[b, -1], temperature, generator))
+            row.sequence.append(pick_token(logits[b, -1], temperature, generator))
             row.result.target_forwards += 1
 
 
@@ -321,7 +321,7 @@ def speculative_generate_batch(
     counts the batched forwards the row took part in (prefill included); target_s / draft_s / total_s are
     the whole batch's wall times (model calls only for the first two), the same numbers for every row.
     """
-    started, clock = time.perf_counter(), _Clock()
+    started, clock = time.perf_counter(), Clock()
     if isinstance(num_draft_tokens, TreeShape):
         raise ValueError("tree drafting is batch-1 only: call speculative_generate(..., tree=...) per prompt")
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
@@ -329,7 +329,7 @@ def speculative_generate_batch(
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     _check_prompts(prompts)
-    _check_compatible(target, draft)
+    check_compatible(target, draft)
     stops = set(target.eos_token_ids if stop_ids is None else stop_ids)
     if max_new_tokens <= 0 or not prompts:
         return [SpecResult([], 0) for _ in prompts]
@@ -340,7 +340,12 @@ def speculative_generate_batch(
     target_valid, logits, aux = _prefill(target, prompts, target_cache, clock)
     width = target_valid.shape[1]
     rows = [
-        _Row(len(p), list(p) + [_pick(logits[b], temperature, generator)], SpecResult([], 1), aux[b, width - len(p) :])
+        _Row(
+            len(p),
+            list(p) + [pick_token(logits[b], temperature, generator)],
+            SpecResult([], 1),
+            aux[b, width - len(p) :],
+        )
         for b, p in enumerate(prompts)
     ]
     results = [row.result for row in rows]
@@ -387,7 +392,7 @@ def speculative_generate_batch(
                 depths=list(range(1, depth + 1)),
                 proposals=[None if q is None else q[b] for q in proposals[:depth]],
             )
-            path, next_token = _verify(chain, logits[b, : depth + 1], temperature, generator)
+            path, next_token = verify(chain, logits[b, : depth + 1], temperature, generator)
             accepted = len(path)
             # The root and the accepted drafts stay; the rejected (and padding) drafts become holes.
             target_valid[b, block_start + 1 + accepted :] = False

@@ -19,12 +19,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from wingspan.decode.speculative import speculative_generate
-from wingspan.eval.runner import acceptance_per_position
+from wingspan.eval.metrics import acceptance_length, acceptance_per_position
 from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
 
 VLLM_REFEREE = Path(__file__).with_name("vllm_referee.py")
-AGREEMENT_TOLERANCE = 0.10  # issue 3: wingspan's chain tau within 10% of vLLM's
+AGREEMENT_TOLERANCE = 0.10  # wingspan's chain tau within 10% of vLLM's
 
 
 @dataclass
@@ -109,7 +109,7 @@ def agreement(vllm_result: dict, target: TargetModel, draft: Eagle3Draft) -> Agr
         num_spec_tokens=k,
         max_tokens=max_tokens,
         vllm_tau=vllm_result["acceptance_length"],
-        wingspan_tau=1.0 + sum(accepted) / len(accepted),
+        wingspan_tau=acceptance_length(len(accepted), sum(accepted)),
         vllm_per_position=vllm_result["acceptance_rate_per_position"],
         wingspan_per_position=acceptance_per_position(accepted, drafted),
         vllm_tokens_per_s=vllm_result["spec"]["tokens_per_s"],

@@ -31,8 +31,10 @@ from tqdm import tqdm
 
 from wingspan.config import DraftConfig, load
 from wingspan.data.template import chat_prompt
-from wingspan.decode.speculative import SpecResult, TreeShape, plain_generate, speculative_generate
+from wingspan.decode.primitives import SpecResult, TreeShape
+from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.errors import ConfigError
+from wingspan.eval.metrics import acceptance_length, acceptance_per_position
 from wingspan.eval.prompts import EvalPrompt
 from wingspan.export.vllm import ARCHITECTURE, draft_config_from_vllm, is_vllm_export, load_vllm_export
 from wingspan.models.draft import Eagle3Draft
@@ -137,22 +139,6 @@ class SetResult:
 # ------------------------------------------------------------------------------------------------ metrics
 
 
-def acceptance_length(accepted_per_round: list[int]) -> float | None:
-    """tau: tokens per verification round, the accepted drafts plus the target's bonus token."""
-    if not accepted_per_round:
-        return None
-    return sum(a + 1 for a in accepted_per_round) / len(accepted_per_round)
-
-
-def acceptance_per_position(accepted_per_round: list[int], drafted_per_round: list[int]) -> list[float]:
-    """Rate at which draft position j (0-based) is accepted, over the rounds that proposed it."""
-    rates = []
-    for j in range(max(drafted_per_round, default=0)):
-        proposed = [a for a, d in zip(accepted_per_round, drafted_per_round) if d > j]
-        rates.append(sum(a > j for a in proposed) / len(proposed))
-    return rates
-
-
 def rate(tokens: int, seconds: float) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
@@ -168,7 +154,7 @@ def prompt_result(prompt: EvalPrompt, spec: list[Turn], greedy: list[Turn], comp
         new_tokens=sum(len(turn.result.tokens) for turn in spec),
         greedy_new_tokens=sum(len(turn.result.tokens) for turn in greedy),
         rounds=len(accepted),
-        acceptance_length=acceptance_length(accepted),
+        acceptance_length=acceptance_length(len(accepted), sum(accepted)),
         accepted_per_round=accepted,
         drafted_per_round=[d for turn in spec for d in turn.result.drafted_per_round],
         spec_s=sum(turn.seconds for turn in spec),
@@ -192,7 +178,7 @@ def summarize(name: str, rows: list[PromptResult]) -> SetResult:
         name=name,
         num_prompts=len(rows),
         rounds=len(accepted),
-        acceptance_length=acceptance_length(accepted),
+        acceptance_length=acceptance_length(len(accepted), sum(accepted)),
         acceptance_length_prompt_mean=sum(per_prompt) / len(per_prompt) if per_prompt else None,
         acceptance_per_position=acceptance_per_position(accepted, drafted),
         mean_accepted_per_round=sum(accepted) / len(accepted) if accepted else None,

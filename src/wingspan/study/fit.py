@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from wingspan.eval.metrics import acceptance_length
+
 Item = TypeVar("Item")
 
 
@@ -93,11 +95,10 @@ def t_quantile(p: float, df: int) -> float:
     return (low + high) / 2
 
 
-def prompts_tau(prompts: Sequence[tuple[int, int]]) -> float:
+def prompts_tau(prompts: Sequence[tuple[int, int]]) -> float | None:
     """tau over (rounds, accepted drafts) per prompt, pooled as the evaluation pools a set: all tokens over
     all rounds."""
-    rounds = sum(r for r, _ in prompts)
-    return 1 + sum(a for _, a in prompts) / rounds
+    return acceptance_length(sum(r for r, _ in prompts), sum(a for _, a in prompts))
 
 
 def bootstrap_interval(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,99 +26,11 @@ import torch
 from wingspan.config import TrainConfig, from_dict, read_mapping, save_json, to_dict
 from wingspan.errors import ConfigError
 from wingspan.eval.prompts import EvalPrompt, load_prompt_sets
-from wingspan.eval.runner import EvalSettings, evaluate, load_draft
+from wingspan.eval.runner import evaluate, load_draft
 from wingspan.files import write_text_atomically
 from wingspan.models.draft import Eagle3Draft
-
-INJECTIONS = ("first", "all")
-DECODERS = ("chain", "tree")
-# Fields the study sets per setting; a shared training config must leave them to it.
-PER_SETTING_FIELDS = (
-    "data",
-    "from_dump",
-    "vocab",
-    "output_dir",
-    "num_hidden_layers",
-    "embed_injection",
-    "epochs",
-    "max_steps",
-    "target",
-)
-# A re-run may extend these; everything else must equal the saved study.json.
-EXTENSIBLE_FIELDS = ("layers", "injection", "sets")
-
-
-@dataclass
-class StudyConfig:
-    """Everything that defines a study; saved as study.json in its directory."""
-
-    data: list[str]  # training conversations (target-regenerated)
-    budget_tokens: int  # training tokens per setting (all tokens of the conversations seen, prompts too)
-    target: str = "smollm2-135m-instruct"
-    layers: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
-    injection: list[str] = field(default_factory=lambda: ["first", "all"])
-    sets: list[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])  # `wingspan eval --sets`
-    limit: int | None = 10  # prompts per set
-    first_turn_only: bool = True  # the reference figures are first turns
-    num_draft_tokens: int = 3  # the chain decoder
-    tree: list[int] = field(default_factory=lambda: [4, 4, 16])  # the tree decoder: depth, top-k, total tokens
-    max_new_tokens: int = 256
-    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields shared by every setting
-
-    def __post_init__(self) -> None:
-        if not self.data:
-            raise ConfigError("data: at least one conversation file is needed")
-        if self.budget_tokens < 1:
-            raise ConfigError(f"budget_tokens: must be >= 1, got {self.budget_tokens}")
-        if not self.layers or min(self.layers) < 1 or len(set(self.layers)) != len(self.layers):
-            raise ConfigError(f"layers: distinct depths >= 1 expected, got {self.layers}")
-        if (
-            not self.injection
-            or not set(self.injection) <= set(INJECTIONS)
-            or len(set(self.injection)) != len(self.injection)
-        ):
-            raise ConfigError(f"injection: distinct values among {list(INJECTIONS)} expected, got {self.injection}")
-        if not self.sets:
-            raise ConfigError("sets: at least one prompt set is needed")
-        if len(self.tree) != 3:
-            raise ConfigError(f"tree: expected [depth, top_k, total_tokens], got {self.tree}")
-        taken = sorted(set(self.train) & set(PER_SETTING_FIELDS))
-        if taken:
-            raise ConfigError(f"train: {taken} are set by the study itself for each setting; remove them")
-        self.base_train_config()  # unknown or invalid training fields fail here, before anything runs
-        for decoder in DECODERS:
-            self.eval_settings(decoder)
-
-    def base_train_config(self) -> TrainConfig:
-        return from_dict(TrainConfig, {"target": self.target, "data": self.data, **self.train}, where="train")
-
-    def eval_settings(self, decoder: str) -> EvalSettings:
-        tree = dict(zip(("tree_depth", "tree_top_k", "tree_total_tokens"), self.tree)) if decoder == "tree" else {}
-        try:
-            return EvalSettings(
-                num_draft_tokens=self.num_draft_tokens, max_new_tokens=self.max_new_tokens, limit=self.limit, **tree
-            )
-        except ConfigError as error:
-            raise ConfigError(f"{decoder} decoder: {error}") from None
-
-    def settings(self) -> list[Setting]:
-        grid = []
-        for depth in sorted(self.layers):
-            if depth == 1:
-                grid.append(Setting("D1", 1, "first"))
-                continue
-            grid += [Setting(f"D{depth}-{mode}", depth, mode) for mode in self.injection]
-        return grid
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str
-    layers: int
-    injection: str
-
-    def in_series(self, injection: str) -> bool:
-        return self.injection == injection or self.layers == 1
+from wingspan.study.config import DECODERS, EXTENSIBLE_FIELDS, Setting, SettingResult, StudyConfig
+from wingspan.study.report import write_study_report
 
 
 def open_study(config: StudyConfig, out: Path) -> StudyConfig:
@@ -222,24 +133,6 @@ def first_turns(prompt_sets: dict[str, list[EvalPrompt]]) -> dict[str, list[Eval
 # ------------------------------------------------------------------------------------------------ results
 
 
-@dataclass
-class SettingResult:
-    """One setting's row of the study: its training outcome and every decoder's result per prompt set."""
-
-    name: str
-    layers: int
-    injection: str
-    parameters: int  # trained parameters (the frozen target embeddings not counted)
-    train_tokens_per_s: float  # mean over the logged windows (non-pad tokens)
-    train_final: dict[str, float]  # the last logged metrics: loss_j, acc_j, sim_accept_len
-    # decoder -> set -> SetResult fields without the per-prompt rows
-    eval: dict[str, dict[str, dict[str, Any]]]
-    # decoder -> draft seconds per drafted token / target seconds per plain-decoded token, over all sets
-    draft_cost: dict[str, float | None]
-    # decoder -> set -> (prompt id, rounds, accepted drafts) per prompt: what the bootstrap intervals resample
-    prompts: dict[str, dict[str, list[tuple[str, int, int]]]]
-
-
 def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[SettingResult]:
     rows = []
     for setting in config.settings():
@@ -296,7 +189,6 @@ def draft_cost(results: list[dict[str, Any]]) -> float | None:
 def run_study(config: StudyConfig, out: Path, threads: int | None = None) -> Path:
     """Every stage in order; returns the report's path. Re-running continues where it stopped."""
     from wingspan.pipeline import load_target
-    from wingspan.study.report import write_study_report
 
     out.mkdir(parents=True, exist_ok=True)
     open_study(config, out)

@@ -19,8 +19,8 @@ from typing import Any
 from wingspan.config import to_dict
 from wingspan.files import write_text_atomically
 from wingspan.plots import agg_figure, save_png
+from wingspan.study.config import DECODERS, SettingResult, StudyConfig
 from wingspan.study.fit import LogFit, bootstrap_interval, fit_log_linear, log_slope, prompts_tau
-from wingspan.study.layers import DECODERS, SettingResult, StudyConfig
 
 POOLED = "all sets"
 
@@ -38,13 +38,16 @@ class FitRow:
     b_prompt_interval: tuple[float, float] | None
 
 
-def pooled_tau(sets: dict[str, dict[str, Any]]) -> float | None:
-    rounds = sum(r["rounds"] for r in sets.values() if r["acceptance_length"] is not None)
-    if not rounds:
-        return None
-    return (
-        sum(r["acceptance_length"] * r["rounds"] for r in sets.values() if r["acceptance_length"] is not None) / rounds
-    )
+def set_strata(row: SettingResult, decoder: str) -> list[list[tuple[int, int]]]:
+    """(rounds, accepted drafts) of every prompt this setting was evaluated on, one list per prompt set."""
+    strata = [
+        [(rounds, accepted) for _, rounds, accepted in prompts] for prompts in row.prompts.get(decoder, {}).values()
+    ]
+    return [s for s in strata if s]
+
+
+def pooled_tau(row: SettingResult, decoder: str) -> float | None:
+    return prompts_tau([prompt for stratum in set_strata(row, decoder) for prompt in stratum])
 
 
 def pooled_speedup(sets: dict[str, dict[str, Any]]) -> float | None:
@@ -60,16 +63,13 @@ def pooled_speedup(sets: dict[str, dict[str, Any]]) -> float | None:
 def tau_of(row: SettingResult, decoder: str, prompt_set: str) -> float | None:
     sets = row.eval.get(decoder, {})
     if prompt_set == POOLED:
-        return pooled_tau(sets)
+        return pooled_tau(row, decoder)
     return sets[prompt_set]["acceptance_length"] if prompt_set in sets else None
 
 
 def tau_interval(row: SettingResult, decoder: str) -> tuple[float, float] | None:
     """95% bootstrap interval of the pooled tau over the prompts this setting was evaluated on."""
-    strata = [
-        [(rounds, accepted) for _, rounds, accepted in prompts] for prompts in row.prompts.get(decoder, {}).values()
-    ]
-    strata = [s for s in strata if s]
+    strata = set_strata(row, decoder)
     return bootstrap_interval(strata, prompts_tau) if strata else None
 
 
@@ -109,9 +109,7 @@ def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -
         for injection in config.injection:
             for prompt_set in [*set_names, POOLED]:
                 series = [
-                    r
-                    for r in rows
-                    if (r.injection == injection or r.layers == 1) and tau_of(r, decoder, prompt_set) is not None
+                    r for r in rows if r.setting.in_series(injection) and tau_of(r, decoder, prompt_set) is not None
                 ]
                 if len({r.layers for r in series}) < 2:
                     continue
@@ -193,7 +191,7 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
                 f"{r.parameters / 1e6:.1f} M",
                 fmt(r.draft_cost.get(decoder), 3),
                 *(fmt(tau_of(r, decoder, s)) for s in set_names),
-                fmt(pooled_tau(sets)),
+                fmt(pooled_tau(r, decoder)),
                 interval_text(tau_interval(r, decoder)),
                 fmt(pooled_speedup(sets), 2, "x"),
             ]
@@ -295,7 +293,7 @@ def injection_verdicts(rows: list[SettingResult], set_names: list[str]) -> list[
         first, every = by_key.get((depth, "first")), by_key.get((depth, "all"))
         if not first or not every:
             continue
-        a, b = pooled_tau(first.eval.get("chain", {})), pooled_tau(every.eval.get("chain", {}))
+        a, b = pooled_tau(first, "chain"), pooled_tau(every, "chain")
         if a is None or b is None:
             continue
         line = (
@@ -323,9 +321,7 @@ def plot(
     for axis, decoder in zip(axes, DECODERS):
         for injection in config.injection:
             colour, marker = styles[injection]
-            series = sorted(
-                (r.layers, tau_of(r, decoder, POOLED)) for r in rows if r.layers == 1 or r.injection == injection
-            )
+            series = sorted((r.layers, tau_of(r, decoder, POOLED)) for r in rows if r.setting.in_series(injection))
             series = [(d, t) for d, t in series if t is not None]
             if not series:
                 continue
@@ -360,9 +356,7 @@ def plot(
         for injection in config.injection:
             colour, marker = styles[injection]
             series = sorted(
-                (r.layers, pooled_speedup(r.eval.get(decoder, {})))
-                for r in rows
-                if r.layers == 1 or r.injection == injection
+                (r.layers, pooled_speedup(r.eval.get(decoder, {}))) for r in rows if r.setting.in_series(injection)
             )
             series = [(d, s) for d, s in series if s is not None]
             if series:
