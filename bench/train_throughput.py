@@ -17,10 +17,9 @@ Packed and padded run the same conversations, a seeded random sample (so its len
 each set planned on its own in the layout; their ratio is packing's gain. The padding fraction of each plan
 is printed for the timed micro-batches and for a whole epoch of the data.
 
-Steps (c) and (d) replicate `train()`'s step (`wingspan.train.trainer`) from its own pieces (build_draft,
-TTTLoss, AdamW, learning_rate, clip_grad_norm_, step_masks normaliser) rather than calling `train()`, which
-has no per-step timing hook, plans its own batches and writes checkpoints; one micro-batch per step
-(grad_accum 1), one process.
+Steps (c) and (d) call the trainer's own step (`wingspan.train.trainer`: `prepare_draft`, then `train_step`
+at `learning_rate`) on these micro-batches, one per optimizer step (grad_accum 1), in one process; not
+`train()` itself, which plans its own batches and writes checkpoints.
 
 Peak memory is the process's peak RSS (VmHWM, reset through /proc/self/clear_refs before each phase, so
 each phase's figure is its own peak, model and data included; ru_maxrss where that is unavailable).
@@ -35,6 +34,7 @@ that at 1024.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import re
@@ -158,10 +158,9 @@ def run_setting(spec: dict) -> dict:
     from wingspan.data.vocab import build_draft_vocab
     from wingspan.models.target import TargetModel
     from wingspan.pipeline import tokenized_dataset
-    from wingspan.train.distributed import clip_grad_norm_
+    from wingspan.train.distributed import World
     from wingspan.train.features import DumpFeatures, OnlineFeatures
-    from wingspan.train.trainer import build_draft, learning_rate, to_device
-    from wingspan.train.ttt import TTTLoss, step_masks
+    from wingspan.train.trainer import learning_rate, prepare_draft, step_normaliser, to_device, train_step
 
     torch.set_num_threads(spec["threads"])
     resettable = reset_peak()
@@ -205,7 +204,6 @@ def run_setting(spec: dict) -> dict:
     tokens = [int(m.attention_mask.sum()) for m in micros]
     timed_tokens = sum(tokens[warmup:])
     timed_slots = sum(m.attention_mask.numel() for m in micros[warmup:])
-    step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16)
     epoch_plans = {
         "padded": plan_padded(lengths, config.batch_tokens, config.seed, 0, config.shuffle),
@@ -245,60 +243,31 @@ def run_setting(spec: dict) -> dict:
         }
         return outputs
 
-    def normaliser(micro):  # the trainer's: the step's counted positions per TTT step (one micro-batch here)
-        return step_masks(micro.loss_mask, micro.positions, config.ttt_steps).sum(dim=(1, 2)).clamp(min=1).to(device)
-
     # (a) the target's side alone
     online = OnlineFeatures(target, vocab.d2t)
     features = phase("target", lambda k: online(micros[k]))
 
     # (b) the draft's forward + backward alone, on those features
-    torch.manual_seed(config.seed)
-    draft = build_draft(target, config, vocab.d2t, vocab.t2d).to(device)
-    loss = TTTLoss(draft, config.ttt_steps, step_weights)
-
-    def draft_pass(k: int) -> None:
+    def draft_pass(trainee, k: int) -> None:
         batch = to_device(features[k], device)
         with torch.autocast(**autocast):
-            out = loss(batch, normaliser(micros[k]))
+            out = trainee.model(batch, step_normaliser([micros[k]], config.ttt_steps).to(device))
         out.loss.backward()
-        draft.zero_grad(set_to_none=True)
+        trainee.draft.zero_grad(set_to_none=True)
 
-    phase("draft", draft_pass)
-    del features, draft, loss
+    torch.manual_seed(config.seed)
+    phase("draft", functools.partial(draft_pass, prepare_draft(target, config, vocab.d2t, vocab.t2d, World())))
+    features.clear()  # the draft phase was their last reader
 
-    # (c), (d): train()'s step, one micro-batch per optimizer step
+    # (c), (d): the trainer's step, one micro-batch per optimizer step
     def trainer_step(source):
         torch.manual_seed(config.seed)
-        draft = build_draft(target, config, vocab.d2t, vocab.t2d).to(device)
-        model = TTTLoss(draft, config.ttt_steps, step_weights)  # parallelize() returns it as is on one process
-        trainable = [p for p in draft.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay
-        )
-        sums = torch.zeros(3 * config.ttt_steps + 1, dtype=torch.float64)
+        trainee = prepare_draft(target, config, vocab.d2t, vocab.t2d, World())
 
         def step(k: int) -> float:
-            nonlocal sums
             micro = collate(subset, batches[k], pad_id)
-            norm = normaliser(micro)
             lr = learning_rate(k, len(micros), config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = to_device(source(micro), device)
-            with torch.autocast(**autocast):
-                out = model(batch, norm)
-            out.loss.backward()
-            sums = (
-                sums
-                + torch.cat(
-                    [out.loss_sum, out.correct, out.count, out.count.new_tensor([int(micro.attention_mask.sum())])]
-                ).cpu()
-            )  # MetricLog.add
-            clip_grad_norm_(trainable, config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return float(out.loss.detach())
+            return float(train_step(trainee, [micro], source, lr, config, World()).loss)
 
         return step
 

@@ -10,10 +10,13 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from wingspan.config import TrainConfig
+from wingspan.data.batching import collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
 from wingspan.errors import ConfigError
 from wingspan.models.target import TargetModel
-from wingspan.train.trainer import learning_rate, train
+from wingspan.train.distributed import World
+from wingspan.train.features import OnlineFeatures
+from wingspan.train.trainer import learning_rate, prepare_draft, train, train_step
 
 VOCAB = 128
 
@@ -99,6 +102,31 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_pat
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_the_step_called_alone_is_the_loops_step(tiny_target, tmp_path):
+    """`train_step` outside `train` (as the throughput bench and any later training mode call it) gives the
+    loop's weights and metrics: one step of two accumulated micro-batches, compared bit for bit."""
+    d2t, t2d = identity_vocab()
+    data = sequences(8, 11)
+    cfg = config(tmp_path, grad_accum=2, max_steps=1, log_every=1, save_every=1)
+    final = train(cfg, tiny_target, data, d2t, t2d)
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+
+    torch.manual_seed(cfg.seed)
+    trainee = prepare_draft(tiny_target, cfg, d2t, t2d, World())
+    plan = plan_epoch([len(s.input_ids) for s in data], cfg, 0, cfg.shuffle)
+    group = [collate(data, plan[0], pad_id=0), collate(data, plan[1], pad_id=0)]
+    step = train_step(trainee, group, OnlineFeatures(tiny_target, d2t), learning_rate(0, 1, cfg), cfg, World())
+
+    written = load_file(str(final / "model.safetensors"))
+    for name, tensor in trainee.draft.trainable_state_dict().items():
+        torch.testing.assert_close(tensor, written[name], rtol=0, atol=0)
+    loss_sum, correct, count = step.sums[:3], step.sums[3:6], step.sums[6:9]
+    assert (loss_sum / count).tolist() == pytest.approx([logged[f"loss_{j}"] for j in range(3)], rel=1e-12)
+    assert (correct / count).tolist() == pytest.approx([logged[f"acc_{j}"] for j in range(3)], rel=1e-12)
+    assert float(step.grad_norm) == pytest.approx(logged["grad_norm"], rel=1e-6)
+    assert step.sums[9] == sum(int(m.attention_mask.sum()) for m in group)
 
 
 def test_resume_refuses_the_other_batch_layout(tiny_target, tmp_path):

@@ -16,17 +16,19 @@ import dataclasses
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from wingspan.config import DraftConfig, TrainConfig, save_json
-from wingspan.data.batching import collate, plan_epoch
+from wingspan.data.batching import MicroBatch, collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
 from wingspan.errors import ConfigError
 from wingspan.models.draft import Eagle3Draft, write_draft
-from wingspan.train.checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint
+from wingspan.train.checkpoint import Checkpoint, latest_checkpoint, read_checkpoint, save_checkpoint
 from wingspan.train.distributed import (
     World,
     clip_grad_norm_,
@@ -118,11 +120,9 @@ class MetricLog:
         self.optimizer_steps = 0
         self.started = time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor, tokens: int) -> None:
-        self.sums += torch.cat([loss_sum, correct, count, count.new_tensor([tokens])])
-
-    def add_step(self, grad_norm: torch.Tensor) -> None:
-        self.grad_norm_sum += grad_norm
+    def add(self, metrics: StepMetrics) -> None:
+        self.sums += metrics.sums
+        self.grad_norm_sum += metrics.grad_norm
         self.optimizer_steps += 1
 
     def flush(self, step: int, lr: float) -> dict:
@@ -150,6 +150,85 @@ class MetricLog:
 
 def to_device(batch: TTTBatch, device: torch.device) -> TTTBatch:
     return TTTBatch(*(getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)))
+
+
+@dataclass
+class Trainee:
+    """A draft being trained: `model` computes its TTT loss (wrapped for DDP or FSDP under torchrun) and
+    `optimizer` updates its trainable parameters, on `device`."""
+
+    draft: Eagle3Draft
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+
+
+def prepare_draft(
+    target,
+    config: TrainConfig,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    world: World,
+    checkpoint: Checkpoint | None = None,
+) -> Trainee:
+    """A draft for `target` on its device (a new one, or `checkpoint`'s weights and optimizer state), wrapped
+    for `world`; the optimizer is built after the wrapping because FSDP2 replaces the parameters."""
+    device = target.device
+    draft = build_draft(target, config, d2t, t2d).to(device)
+    if checkpoint:
+        draft.load_trainable_state(checkpoint.weights, source=str(checkpoint.path))
+    step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
+    model = parallelize(TTTLoss(draft, config.ttt_steps, step_weights), draft, config.parallel, world, device)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    if checkpoint:
+        load_optimizer_state(draft, optimizer, checkpoint.optimizer_state)
+    return Trainee(draft, model, optimizer, device)
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step measured on this rank."""
+
+    loss: torch.Tensor  # the objective of this rank's micro-batches (detached)
+    sums: torch.Tensor  # float64 [3 * steps + 1]: loss sum, correct and count per TTT step, then non-pad tokens
+    grad_norm: torch.Tensor  # before clipping; the same on every rank
+
+
+def step_normaliser(group: list[MicroBatch], steps: int) -> torch.Tensor:
+    """[steps]: the counted positions of each TTT step over the whole global batch `group`, which divides every
+    micro-batch's loss, so that accumulation and data parallelism weight every token alike."""
+    counts = sum(step_masks(m.loss_mask, m.positions, steps).sum(dim=(1, 2)) for m in group)
+    return counts.clamp(min=1)
+
+
+def train_step(
+    trainee: Trainee, group: list[MicroBatch], features: FeatureSource, lr: float, config: TrainConfig, world: World
+) -> StepMetrics:
+    """One optimizer step over the global batch `group` (the same micro-batches on every rank): this rank's
+    share of them (`share_of_step`) forward and backward, then gradient clipping and AdamW at `lr`."""
+    device = trainee.device
+    normaliser = step_normaliser(group, config.ttt_steps).to(device)
+    for param_group in trainee.optimizer.param_groups:
+        param_group["lr"] = lr
+    loss = torch.zeros((), device=device)
+    sums = torch.zeros(3 * config.ttt_steps + 1, dtype=torch.float64, device=device)
+    share = share_of_step(group, world)
+    for k, (micro, scale) in enumerate(share):
+        batch = to_device(features(micro), device)
+        with gradient_sync(trainee.model, last=k == len(share) - 1):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
+                result = trainee.model(batch, normaliser)
+            (result.loss * scale).backward()
+        if scale:
+            tokens = result.count.new_tensor([int(micro.attention_mask.sum())])
+            sums += torch.cat([result.loss_sum, result.correct, result.count, tokens])
+            loss += result.loss.detach()
+    trainable = [p for param_group in trainee.optimizer.param_groups for p in param_group["params"]]
+    grad_norm = clip_grad_norm_(trainable, config.grad_clip)
+    trainee.optimizer.step()
+    trainee.optimizer.zero_grad(set_to_none=True)
+    return StepMetrics(loss, sums, grad_norm)
 
 
 def train(
@@ -180,15 +259,7 @@ def train(
     if world.is_main:
         save_json(config, run_dir / "config.json")
     torch.manual_seed(config.seed)
-
-    device = target.device
-    draft = build_draft(target, config, d2t, t2d).to(device)
-    if checkpoint:
-        draft.load_trainable_state(checkpoint.weights, source=str(checkpoint.path))
-    step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
-    model = parallelize(TTTLoss(draft, config.ttt_steps, step_weights), draft, config.parallel, world, device)
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    trainee = prepare_draft(target, config, d2t, t2d, world, checkpoint)
 
     lengths = [len(s.input_ids) for s in sequences]
     batches_per_epoch = len(plan_epoch(lengths, config, 0, shuffle=False))
@@ -197,7 +268,6 @@ def train(
 
     step, epoch, batch_index = 0, 0, 0
     if checkpoint:
-        load_optimizer_state(draft, optimizer, checkpoint.optimizer_state)
         # Rank 0's CPU generator at save time, restored on every rank. The loop itself draws no random
         # numbers (the data order is a function of seed and epoch); CUDA generators are not saved.
         torch.set_rng_state(checkpoint.rng_state)
@@ -218,12 +288,11 @@ def train(
         )
 
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    log = MetricLog(run_dir, config.tensorboard, config.ttt_steps, world, device)
+    log = MetricLog(run_dir, config.tensorboard, config.ttt_steps, world, trainee.device)
     plan = plan_epoch(lengths, config, epoch, config.shuffle)
     progress = tqdm(
         total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, disable=not world.is_main
     )
-    record: dict = {}
     while step < total_steps:
         group = []  # the global batch: every rank plans the same micro-batches
         while len(group) < config.grad_accum:
@@ -232,26 +301,10 @@ def train(
                 plan = plan_epoch(lengths, config, epoch, config.shuffle)
             group.append(collate(sequences, plan[batch_index], pad_id))
             batch_index += 1
-        normaliser = sum(step_masks(m.loss_mask, m.positions, config.ttt_steps).sum(dim=(1, 2)) for m in group)
-        normaliser = normaliser.clamp(min=1).to(device)
         lr = learning_rate(step, total_steps, config)
-        for param_group in optimizer.param_groups:
-            param_group["lr"] = lr
-        share = share_of_step(group, world)
-        for k, (micro, scale) in enumerate(share):
-            batch = to_device(features(micro), device)
-            with gradient_sync(model, last=k == len(share) - 1):
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
-                    result = model(batch, normaliser)
-                (result.loss * scale).backward()
-            if scale:
-                log.add(result.loss_sum, result.correct, result.count, int(micro.attention_mask.sum()))
-        grad_norm = clip_grad_norm_(trainable, config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        log.add(train_step(trainee, group, features, lr, config, world))
         step += 1
         progress.update(1)
-        log.add_step(grad_norm)
         if step % config.log_every == 0 or step == total_steps:
             record = log.flush(step, lr)
             progress.set_postfix(
@@ -259,15 +312,16 @@ def train(
             )
         if step % config.save_every == 0 or step == total_steps:
             # Every rank gathers (FSDP), rank 0 writes; the data position is global, so any world size resumes it.
-            weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, optimizer)
+            draft = trainee.draft
+            weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, trainee.optimizer)
             if world.is_main:
                 position = {"step": step, "epoch": epoch, "batch_index": batch_index, "pack": config.pack}
                 save_checkpoint(run_dir, step, weights, draft.config, optimizer_state, position, keep=2)
             world.barrier()
     progress.close()
     final = run_dir / "draft"
-    weights = full_weights(draft)
+    weights = full_weights(trainee.draft)
     if world.is_main:
-        write_draft(final, weights, draft.config)
+        write_draft(final, weights, trainee.draft.config)
     world.barrier()  # the final draft is on disk when train returns, on every rank
     return final
