@@ -6,7 +6,7 @@ It prints, per decoder, tau, tokens/s and the split of wall time, then two speed
 - achieved: measured tokens/s ratio;
 - ideal bound: the same tokens if the engine's overhead were zero, i.e. tokens / (target + draft forward
   time), from the forward costs measured in this run.
-The goal (issue 3) is overhead < 10% of a round.
+The goal is overhead < 10% of a round.
 
     python bench/decode_overhead.py --draft runs/quickstart/run/draft --tree 4,4,16
 """

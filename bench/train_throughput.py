@@ -24,7 +24,7 @@ at `learning_rate`) on these micro-batches, one per optimizer step (grad_accum 1
 Peak memory is the process's peak RSS (VmHWM, reset through /proc/self/clear_refs before each phase, so
 each phase's figure is its own peak, model and data included; ru_maxrss where that is unavailable).
 
-Goals (issue 4): online time <= 1.3 x (target time + draft time); offline >= 3 x online; online (batch 1,
+Goals: online time <= 1.3 x (target time + draft time); offline >= 3 x online; online (batch 1,
 D = 1, length 1024) >= 1.5 x SpecForge's 223 tok/s (2 cores); peak memory at length 2048 (D = 3) < 2 x
 that at 1024.
 

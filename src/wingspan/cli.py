@@ -263,7 +263,15 @@ def evaluate_draft(
     ] = "bfloat16",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
-    warmup: Annotated[int, typer.Option(help="Prompts decoded untimed first, by both decoders.")] = 1,
+    warmup: Annotated[int, typer.Option(help="Prompts (batches) decoded untimed first, by both decoders.")] = 1,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Prompts decoded together by both decoders (chains only): speculative vs plain throughput at this "
+            "batch size, what a server with many requests sees.",
+        ),
+    ] = 1,
 ) -> None:
     """Measure a draft: acceptance length, acceptance per draft position and speedup over plain greedy
     decoding of the same target, run side by side on each prompt. See docs/evaluation.md."""
@@ -285,6 +293,7 @@ def evaluate_draft(
         seed=seed,
         limit=limit,
         warmup_prompts=warmup,
+        batch_size=batch_size,
     )
     # Everything that can fail fast does, before the models load and the decoding starts.
     require_matplotlib()

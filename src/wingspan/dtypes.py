@@ -30,3 +30,25 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, dtype_name(name))
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (AVX-512 or AMX on x86, SVE on Arm). Without it (AVX2 only)
+    torch falls back to a reference kernel, many times slower than float32 (docs/training.md has the figures)."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability.startswith(("AVX512", "AMX", "SVE"))
+
+
+def slow_dtype_warning(dtype: torch.dtype, device: torch.device) -> str | None:
+    """A warning when 16-bit weights would run on a CPU without native support for them, else None."""
+    import torch
+
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or cpu_has_fast_bf16():
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"warning: this CPU ({capability}) has no native {str(dtype).removeprefix('torch.')} matmul, so the model "
+        "runs many times slower than in float32; choose float32 (--dtype float32, target_dtype=float32) here"
+    )

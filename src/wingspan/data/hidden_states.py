@@ -12,8 +12,8 @@ Each shard holds its records concatenated along the token axis (no padding): `in
 bf16 [N, H] (the final norm's output, which the target's lm_head reads) and `target_argmax` int32 [N] (the
 target's top token over its whole vocab, for the accuracy metrics). The loss's target logits over the draft
 vocab are recomputed from `last_hidden` with the target's lm_head rows of that vocab: exact (the target
-computes its logits the same way) and independent of the draft vocab. Top-32 probabilities would take 21 %
-less disk and 1-2 % less time per step, but bias the loss by 3-5 % (docs/formats.md has the measurement).
+computes its logits the same way) and independent of the draft vocab. Storing top-k probabilities instead
+would save some disk and time but bias the loss (docs/formats.md has the measurement).
 """
 
 from __future__ import annotations

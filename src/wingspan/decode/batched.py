@@ -13,12 +13,10 @@ drafts. Instead of moving cache entries around, both the target's HF `DynamicCac
     through as-is (`masking_utils._preprocess_mask_arguments`) and the draft hands to SDPA.
 
 Holes cost attention and cache copying over dead slots: a round of K drafts appends K + 1 slots of which
-accepted + 1 stay valid, and HF's DynamicCache concatenates (copies) the whole cache at every forward. With
-a weak draft (tau 1.3, K = 3: two thirds of the verify slots are holes) a verify forward of SmolLM2-135M at
-B = 8 takes 43 ms over 200 slots and 66 ms over 400. So the holes are reclaimed, but only when the fullest
-row fits in half the cache (`_compaction`): one gather per layer (4-8 ms at B = 8), amortised like a
-growing vector's reallocation. At 128 new tokens this is worth about 2% end to end (within noise); it bounds
-the waste for long generations. Rows that are done (a stop token, or max_new_tokens) leave the batch at the
+accepted + 1 stay valid, and HF's DynamicCache concatenates (copies) the whole cache at every forward; with a
+weak draft most verify slots are holes. So the holes are reclaimed, but only when the fullest row fits in half
+the cache (`_compaction`): one gather per layer, amortised like a growing vector's reallocation, which bounds
+the waste for long generations (docs/evaluation.md has the costs measured). Rows that are done (a stop token, or max_new_tokens) leave the batch at the
 start of the next round (`batch_select_indices`), so they cost nothing further and their results stop
 changing.
 

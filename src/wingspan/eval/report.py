@@ -61,7 +61,8 @@ def decoding(settings: EvalSettings) -> str:
         else f"chain of {settings.num_draft_tokens} drafts"
     )
     sampling = f"temperature {settings.temperature:g}" if settings.temperature > 0 else "greedy"
-    return f"{drafts}, {sampling}, up to {settings.max_new_tokens} new tokens per turn"
+    batch = f", batches of {settings.batch_size} prompts" if settings.batch_size > 1 else ""
+    return f"{drafts}, {sampling}, up to {settings.max_new_tokens} new tokens per turn{batch}"
 
 
 def number(value: float | None, digits: int, suffix: str = "") -> str:

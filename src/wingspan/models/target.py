@@ -7,6 +7,7 @@ layers rather than output_hidden_states, which would keep all N+1 states alive a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from wingspan.data.template import end_of_turn_id
-from wingspan.dtypes import torch_dtype
+from wingspan.dtypes import slow_dtype_warning, torch_dtype
 from wingspan.errors import ConfigError, ModelError
 from wingspan.models.registry import resolve_target
 
@@ -98,6 +99,9 @@ class TargetModel:
         except OSError as error:
             where = path if Path(path).is_dir() else "the Hugging Face hub (this needs network access)"
             raise OSError(f"cannot load target {name_or_path!r} from {where}: {error}") from None
+        warning = slow_dtype_warning(dtype, torch.device(device))
+        if warning:
+            print(warning, file=sys.stderr)
         return cls(model.to(device), tokenizer, name_or_path, aux_layer_ids)
 
     # ---------------------------------------------------------------------------------------- shape

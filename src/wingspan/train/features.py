@@ -33,7 +33,7 @@ class OnlineFeatures:
         # the features it gets alone.
         out = self.target.forward(micro.input_ids, micro.causal_mask(), position_ids=micro.positions)
         logits = out.logits
-        # max().indices, not argmax(): the latter has no fast bf16 kernel on CPU (5x slower here).
+        # max().indices, not argmax(): the latter has no fast bf16 kernel on CPU.
         return TTTBatch(
             micro.input_ids,
             micro.loss_mask,

@@ -1,0 +1,17 @@
+"""docs/layout.md names every module of the package, and no module that is not there."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_layout_doc_matches_the_tree():
+    named = set(re.findall(r"`(src/wingspan/[\w/]+\.py)`", (ROOT / "docs" / "layout.md").read_text()))
+    modules = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "src" / "wingspan").rglob("*.py")
+        if path.name != "__init__.py" or path.parent.name == "wingspan"
+    }
+    assert sorted(modules - named) == [], "modules docs/layout.md does not describe"
+    assert sorted(named - modules) == [], "docs/layout.md names modules that do not exist"
