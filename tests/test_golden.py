@@ -52,10 +52,7 @@ def random_draft(num_layers: int) -> Eagle3Draft:
         max_position_embeddings=64,
     )
     torch.manual_seed(num_layers)
-    draft = Eagle3Draft(config).double()
-    # .double() casts the inv_freq buffer too, while both references take RoPE angles in float32 whatever the
-    # model dtype (as our draft does in training): float64 angles would differ from theirs by ~1e-7.
-    draft.inv_freq = draft.inv_freq.float()
+    draft = Eagle3Draft(config).double()  # RoPE angles stay float32, as both references take them
     with torch.no_grad():
         for name, param in draft.named_parameters():
             # O(1) activations: the default std 0.02 makes attention near-uniform, which hides mask and position
@@ -223,3 +220,13 @@ def test_draft_and_its_next_step_match_vllm(num_layers):
     )
     assert_golden(out2, prenorm2[:, -1:])
     assert_golden(draft.logits(out2), vllm_target_logits(w, normed2[:, -1:], config)[0])
+
+
+def test_rope_stays_float32_in_a_16_bit_draft():
+    """A draft cast to bf16 (as evaluation runs it beside a bf16 target) takes the RoPE angles the float32
+    draft takes: bf16 frequencies would move the angle at position 1000 by radians."""
+    draft = random_draft(num_layers=1)
+    positions = torch.tensor([[0, 1, 300, 1000]])
+    cos, sin = draft.float().rope(positions, torch.float32)
+    cos16, sin16 = draft.to(torch.bfloat16).rope(positions, torch.float32)
+    assert torch.equal(cos, cos16) and torch.equal(sin, sin16)

@@ -16,9 +16,9 @@ Holes cost attention and cache copying over dead slots: a round of K drafts appe
 accepted + 1 stay valid, and HF's DynamicCache concatenates (copies) the whole cache at every forward; with a
 weak draft most verify slots are holes. So the holes are reclaimed, but only when the fullest row fits in half
 the cache (`_compaction`): one gather per layer, amortised like a growing vector's reallocation, which bounds
-the waste for long generations (docs/evaluation.md has the costs measured). Rows that are done (a stop token, or max_new_tokens) leave the batch at the
-start of the next round (`batch_select_indices`), so they cost nothing further and their results stop
-changing.
+the waste for long generations (docs/evaluation.md has the costs measured). Rows that are done (a stop token,
+or max_new_tokens) leave the batch at the start of the next round (`batch_select_indices`), so they cost
+nothing further and their results stop changing.
 
 Limits: the explicit mask replaces the model's own, so sliding-window attention (Mistral, Gemma 2/3, ...)
 is not applied; fine for Llama/SmolLM2/Qwen2-style full attention. The mask is bool for SDPA and additive

