@@ -82,6 +82,23 @@ def quickstart_dir(tmp_path_factory) -> Path:
     return out
 
 
+def tiny_draft_config(**fields):
+    """The DraftConfig of the tiny drafts tests build (hidden 32, 4 heads over 2 kv heads of 8, aux layers
+    1-3), with `fields` (vocab sizes, depth, ...) set or replaced."""
+    from wingspan.config import DraftConfig
+
+    defaults = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        target_hidden_size=32,
+        aux_layer_ids=[1, 2, 3],
+    )
+    return DraftConfig(**{**defaults, **fields})
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module of tiny-model tests: tiny matmuls gain nothing from threads, and on a

@@ -13,6 +13,7 @@ from test_speculative import (
     predictable_target,  # noqa: F401  (fixtures, shared with the batch-1 tests)
     sharpen,
     small_draft,
+    small_target,  # noqa: F401
     target,  # noqa: F401
 )
 
@@ -201,27 +202,6 @@ def test_arguments_are_checked(target):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         speculative_generate_batch(target, draft, PROMPTS, 4, 0)
     assert speculative_generate_batch(target, draft, [], 4) == [] == plain_generate_batch(target, [], 4)
-
-
-@pytest.fixture(scope="module")
-def small_target(smollm2_tokenizer) -> TargetModel:
-    """test_speculative's 12-token llama: every short continuation is likely enough to count."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=SMALL_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        model = LlamaForCausalLM(config)
-    model.lm_head.weight.data *= 6.0
-    return TargetModel(model, smollm2_tokenizer, "small-vocab llama", aux_layer_ids=[1, 2, 3])
 
 
 def test_a_batch_of_one_samples_as_batch_one(small_target):

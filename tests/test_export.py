@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_draft_config
 from safetensors.torch import load_file, save_file
 
-from wingspan.config import DraftConfig
 from wingspan.errors import ExportError
 from wingspan.export.vllm import draft_logits, export_vllm, load_vllm_export
 from wingspan.models.draft import Eagle3Draft
@@ -14,23 +14,15 @@ from wingspan.models.draft import Eagle3Draft
 
 def tiny_draft(layers: int, injection: str = "first", draft_vocab_size: int = 40, **overrides) -> Eagle3Draft:
     fields = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        target_hidden_size=32,
         vocab_size=97,
         draft_vocab_size=draft_vocab_size,
-        aux_layer_ids=[1, 2, 3],
         num_hidden_layers=layers,
         embed_injection=injection,
         rope_theta=50000.0,
         rms_norm_eps=1e-6,
     )
-    fields.update(overrides)
     torch.manual_seed(layers)
-    draft = Eagle3Draft(DraftConfig(**fields))
+    draft = Eagle3Draft(tiny_draft_config(**{**fields, **overrides}))
     for module in draft.modules():  # non-trivial norms, so a norm loaded into the wrong slot shows
         if hasattr(module, "eps"):
             module.weight.data.uniform_(0.5, 1.5)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from conftest import tiny_draft_config
 
-from wingspan.config import DraftConfig
 from wingspan.decode import speculative
 from wingspan.decode.primitives import DraftTree, TreeShape
 from wingspan.decode.speculative import plain_generate, speculative_generate
@@ -50,18 +50,7 @@ def make_draft(
     """A random draft over a real draft vocab (sorted target ids, FAVOURED first); `favour` scales the
     lm_head row of FAVOURED so that the draft proposes it often; favour=0 zeroes the whole lm_head, so
     every proposal is draft id 0 = FAVOURED (argmax of a tie is the first index)."""
-    config = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        target_hidden_size=32,
-        vocab_size=target.vocab_size,
-        draft_vocab_size=draft_vocab,
-        aux_layer_ids=[1, 2, 3],
-        num_hidden_layers=layers,
-    )
+    config = tiny_draft_config(vocab_size=target.vocab_size, draft_vocab_size=draft_vocab, num_hidden_layers=layers)
     generator = torch.Generator().manual_seed(seed)
     others = torch.randperm(target.vocab_size, generator=generator)
     others = others[others != FAVOURED][: draft_vocab - 1].sort().values
@@ -376,18 +365,7 @@ def small_target(smollm2_tokenizer) -> TargetModel:
 
 def small_draft(target: TargetModel) -> Eagle3Draft:
     """A draft over 8 of the 12 tokens: the other 4 have q = 0, so the residual must supply them."""
-    config = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        target_hidden_size=32,
-        vocab_size=SMALL_VOCAB,
-        draft_vocab_size=8,
-        aux_layer_ids=[1, 2, 3],
-        num_hidden_layers=2,
-    )
+    config = tiny_draft_config(vocab_size=SMALL_VOCAB, draft_vocab_size=8, num_hidden_layers=2)
     with torch.random.fork_rng():
         torch.manual_seed(2)
         draft = Eagle3Draft(config)

@@ -3,6 +3,7 @@ packed row exactly what its conversations compute alone."""
 
 import pytest
 import torch
+from conftest import tiny_draft_config
 
 from wingspan.config import DraftConfig
 from wingspan.data.batching import collate
@@ -15,20 +16,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_config(layers: int, injection: str = "first", **overrides) -> DraftConfig:
     fields = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        target_hidden_size=24,
-        vocab_size=97,
-        draft_vocab_size=97,
-        aux_layer_ids=[1, 2, 3],
-        num_hidden_layers=layers,
-        embed_injection=injection,
+        target_hidden_size=24, vocab_size=97, draft_vocab_size=97, num_hidden_layers=layers, embed_injection=injection
     )
-    fields.update(overrides)
-    return DraftConfig(**fields)
+    return tiny_draft_config(**{**fields, **overrides})
 
 
 def arange_positions(ids: torch.Tensor) -> torch.Tensor:
