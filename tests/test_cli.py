@@ -160,3 +160,27 @@ def test_bad_data_names_file_and_line(tiny_llama_dir, tmp_path):
     assert result.returncode == 2
     assert str(data) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_draft_and_export_errors_are_one_line(tmp_path):
+    """ExportError, CheckpointError and OSError reach the user as one `error:` line with exit status 2."""
+    from conftest import tiny_draft_config
+
+    from wingspan.models.draft import Eagle3Draft, write_draft
+
+    all_layers = Eagle3Draft(
+        tiny_draft_config(vocab_size=50, draft_vocab_size=50, num_hidden_layers=2, embed_injection="all")
+    )
+    write_draft(tmp_path / "all", all_layers.trainable_state_dict(), all_layers.config)
+    weights = {k: v for k, v in all_layers.trainable_state_dict().items() if k != "fc.weight"}
+    write_draft(tmp_path / "incomplete", weights, all_layers.config)
+    cases = [
+        (tmp_path / "all", "embed_injection='all'"),
+        (tmp_path / "incomplete", "draft weights do not match the config: missing ['fc.weight']"),
+        (tmp_path / "missing", "draft_config.json"),
+    ]
+    for draft, message in cases:
+        result = wingspan("export", str(draft), "--out", str(tmp_path / "out"))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("error: ") and message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
