@@ -16,13 +16,12 @@ from wingspan.data.hidden_states import (
     DumpMismatchError,
     HiddenStateDump,
     bytes_per_token,
-    dump_identity,
     write_dump,
 )
 from wingspan.data.template import TokenizedConversation
 from wingspan.errors import ConfigError, DataError
 from wingspan.models.target import TargetModel
-from wingspan.pipeline import run_training, tokenized_dataset
+from wingspan.pipeline import run_dump, run_training, tokenized_dataset
 from wingspan.train.features import DumpFeatures, OnlineFeatures
 from wingspan.train.trainer import build_draft
 from wingspan.train.ttt import ttt_forward
@@ -69,16 +68,7 @@ def config_for(tmp_path, tiny_llama_dir, conversations, **overrides) -> TrainCon
 
 
 def dump(config: TrainConfig, target: TargetModel, out, **kwargs) -> DumpManifest:
-    records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
-    return write_dump(
-        target,
-        records,
-        dump_identity(config, target),
-        out,
-        batch_tokens=config.batch_tokens,
-        shard_bytes=SHARD_BYTES,
-        **kwargs,
-    )
+    return run_dump(config, out, shard_bytes=SHARD_BYTES, target=target, **kwargs)
 
 
 @pytest.fixture(scope="module")

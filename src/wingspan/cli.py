@@ -184,7 +184,7 @@ def dump(
         raise ConfigError("wingspan dump runs in one process: start it without torchrun (training from a dump may)")
 
     manifest = run_dump(
-        train_config(config, list(ctx.args)), out, resume=resume, shard_mb=shard_mb, max_shards=max_shards
+        train_config(config, list(ctx.args)), out, resume=resume, shard_bytes=shard_mb << 20, max_shards=max_shards
     )
     finished = sum(s.done for s in manifest.shards)
     typer.echo(f"dump: {out} ({finished}/{len(manifest.shards)} shards done)")

@@ -93,12 +93,18 @@ def run_training(config: TrainConfig, resume: bool = False, target: TargetModel 
 
 
 def run_dump(
-    config: TrainConfig, out: Path, resume: bool = False, shard_mb: int = 512, max_shards: int | None = None
+    config: TrainConfig,
+    out: Path,
+    resume: bool = False,
+    shard_bytes: int = 512 << 20,
+    max_shards: int | None = None,
+    target: TargetModel | None = None,
 ) -> DumpManifest:
-    """Tokenize the config's data and store the target's features for it in `out` (see data/hidden_states.py)."""
+    """Tokenize the config's data and store the target's features for it in `out` (see data/hidden_states.py);
+    the target is loaded from the config unless given."""
     from wingspan.data.hidden_states import dump_identity, write_dump
 
-    target = load_target(config)
+    target = target or load_target(config)
     records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
     return write_dump(
         target,
@@ -106,7 +112,7 @@ def run_dump(
         dump_identity(config, target),
         out,
         batch_tokens=config.batch_tokens,
-        shard_bytes=shard_mb << 20,
+        shard_bytes=shard_bytes,
         resume=resume,
         max_shards=max_shards,
     )
