@@ -61,4 +61,6 @@ def atomic_directory(path: str | Path, unique: bool = False) -> Iterator[Path]:
         tmp.rename(path)
     finally:
         _remove(tmp)
+        if old.exists() and not path.exists():  # the new one never arrived: put the old one back
+            old.rename(path)
         _remove(old)
