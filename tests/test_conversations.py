@@ -10,6 +10,7 @@ from wingspan.data.conversations import (
     Conversation,
     DataError,
     Message,
+    Regeneration,
     append_conversations_jsonl,
     read_conversations,
     write_conversations_jsonl,
@@ -273,3 +274,38 @@ def test_append_after_a_line_cut_short_starts_a_new_line(tmp_path):
     back, report = read_conversations(path)
     assert [c.id for c in back] == ["1", "2"]
     assert report.counts == {"malformed JSON": 1} and report.examples[0].startswith(f"{path}:2:")
+
+
+def test_regeneration_asks_each_user_turn_after_its_own_replies():
+    source = Conversation(
+        [
+            Message("system", "Be brief."),
+            Message("user", "q1"),
+            Message("assistant", "old a1"),
+            Message("user", "q2"),
+            Message("user", "q2, continued"),
+            Message("assistant", "old a2"),
+            Message("user", "q3"),
+        ],
+        id="c",
+        source="x:1",
+    )
+    regeneration, asked = Regeneration(source), []
+    while not regeneration.done:
+        prompt = regeneration.next_prompt()
+        asked.append(prompt)
+        regeneration.answer(f"new {len(asked)}" if len(asked) < 3 else None)  # the third no longer fits
+    # Every user message is a turn of its own, asked after the reply to the one before.
+    assert [m["content"] for m in asked[0]] == ["Be brief.", "q1"]
+    assert [m["content"] for m in asked[1]] == ["Be brief.", "q1", "new 1", "q2"]
+    assert [m["content"] for m in asked[2]] == ["Be brief.", "q1", "new 1", "q2", "new 2", "q2, continued"]
+    assert len(asked) == 3  # None ends the conversation with its previous reply: q3 is never asked
+    result = regeneration.conversation()
+    assert (result.id, result.source) == ("c", "x:1")
+    assert [(m.role, m.content) for m in result.messages] == [
+        ("system", "Be brief."),
+        ("user", "q1"),
+        ("assistant", "new 1"),
+        ("user", "q2"),
+        ("assistant", "new 2"),
+    ]
