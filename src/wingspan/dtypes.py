@@ -6,7 +6,7 @@ the short ones (`bf16`, `fp32`, `fp16`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from wingspan.errors import ConfigError
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 DtypeName = Literal["bfloat16", "float32", "float16"]
-NAMES: tuple[str, ...] = ("bfloat16", "float32", "float16")
+NAMES: tuple[str, ...] = get_args(DtypeName)
 SHORT_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
