@@ -184,3 +184,21 @@ def test_draft_and_export_errors_are_one_line(tmp_path):
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("error: ") and message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_vocab_reads_the_given_targets_tokenizer(tiny_llama_dir, conversations, tmp_path):
+    from wingspan.data.vocab import DraftVocab
+
+    out = tmp_path / "vocab.safetensors"
+    result = wingspan("vocab", str(conversations), "--out", str(out), "--size", "40", "--target", str(tiny_llama_dir))
+    assert result.returncode == 0, result.stderr
+    vocab = DraftVocab.load(out)
+    assert (vocab.draft_vocab_size, vocab.target_vocab_size) == (40, 49152)
+    assert "device" not in result.stderr  # no model was loaded
+
+
+@pytest.mark.parametrize("command", [["eval", "--draft", "d", "--out", "o"], ["data", "synth", "--out", "o"]])
+def test_a_bad_device_is_refused_before_anything_loads(command):
+    result = wingspan(*command, "--device", "tpu")
+    assert result.returncode == 2
+    assert "device 'tpu'" in result.stderr

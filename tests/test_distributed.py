@@ -82,7 +82,7 @@ def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, resum
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    with process_group():
+    with process_group(torch.device("cpu")):
         run_training(config, resume=resume)
 
 

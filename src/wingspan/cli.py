@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from wingspan.config import TrainConfig, apply_overrides, from_dict, read_mapping, to_dict
+from wingspan.devices import device_name
 from wingspan.dtypes import dtype_name
 from wingspan.errors import ConfigError, WingspanError
 
@@ -28,6 +29,13 @@ DtypeOption = Annotated[
         help="Target dtype: bfloat16 (bf16), float32 (fp32) or float16 (fp16); keep it the same in data generation, "
         "training and eval.",
         parser=dtype_name,
+    ),
+]
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        help="Where the models run: auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N.",
+        parser=device_name,
     ),
 ]
 
@@ -65,6 +73,7 @@ def data_synth(
     num: Annotated[int, typer.Option(help="Number of conversations.")] = 200,
     target: TargetOption = "smollm2-135m-instruct",
     dtype: DtypeOption = "bfloat16",
+    device: DeviceOption = "auto",
     batch_size: int = 16,
     max_new_tokens: Annotated[int, typer.Option(help="Cap on each generated reply.")] = 512,
     user_temperature: Annotated[float, typer.Option(help="Sampling temperature of the invented user turns.")] = 1.0,
@@ -75,7 +84,7 @@ def data_synth(
     from wingspan.data.synth import synthesize
     from wingspan.models.target import TargetModel
 
-    model = TargetModel.load(target, dtype=dtype)
+    model = TargetModel.load(target, dtype=dtype, device=device)
     synthesize(
         model,
         num,
@@ -97,6 +106,7 @@ def data_regenerate(
     out: Annotated[Path, typer.Option(help="Output JSONL of conversations.")],
     target: TargetOption = "smollm2-135m-instruct",
     dtype: DtypeOption = "bfloat16",
+    device: DeviceOption = "auto",
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     max_new_tokens: int = 512,
     batch_size: Annotated[int, typer.Option(help="Conversations per batched generate (in-process).")] = 16,
@@ -105,7 +115,7 @@ def data_regenerate(
         str | None,
         typer.Option(
             help="An OpenAI-compatible server (vLLM, SGLang) serving the target, e.g. http://localhost:8000: "
-            "replies come from it instead of an in-process model (--target and --dtype are then unused)."
+            "replies come from it instead of an in-process model (--target, --dtype and --device are then unused)."
         ),
     ] = None,
     model: Annotated[
@@ -131,7 +141,7 @@ def data_regenerate(
         from wingspan.data.synth import regenerate
         from wingspan.models.target import TargetModel
 
-        target_model = TargetModel.load(target, dtype=dtype)
+        target_model = TargetModel.load(target, dtype=dtype, device=device)
         regenerate(
             target_model,
             conversations,
@@ -151,12 +161,13 @@ def vocab(
     target: TargetOption = "smollm2-135m-instruct",
     max_length: int = 1024,
 ) -> None:
-    """Build the draft vocab (d2t, t2d) from assistant-token frequencies and report its coverage."""
-    from wingspan.models.target import TargetModel
+    """Build the draft vocab (d2t, t2d) from assistant-token frequencies and report its coverage. Reads only the
+    target's tokenizer and config, never its weights."""
+    from wingspan.models.target import TargetVocabulary
     from wingspan.pipeline import build_vocab, tokenized_dataset
 
-    model = TargetModel.load(target)
-    build_vocab(model, tokenized_dataset([str(p) for p in data], model.tokenizer, max_length), size, out)
+    text = TargetVocabulary.load(target)
+    build_vocab(text, tokenized_dataset([str(p) for p in data], text.tokenizer, max_length), size, out)
 
 
 @app.command("dump", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -219,7 +230,9 @@ def train(
     if show:
         typer.echo(json.dumps(to_dict(cfg), indent=2))
         return
-    with process_group() as world:
+    from wingspan.devices import resolve_device
+
+    with process_group(resolve_device(cfg.device)) as world:
         final = run_training(cfg, resume=resume)
     if world.is_main:
         typer.echo(f"draft: {final}")
@@ -262,6 +275,7 @@ def evaluate_draft(
             help="Target (and draft) dtype: bfloat16 (bf16), float32 (fp32) or float16 (fp16).", parser=dtype_name
         ),
     ] = "bfloat16",
+    device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
     warmup: Annotated[int, typer.Option(help="Prompts (batches) decoded untimed first, by both decoders.")] = 1,
@@ -276,8 +290,7 @@ def evaluate_draft(
 ) -> None:
     """Measure a draft: acceptance length, acceptance per draft position and speedup over plain greedy
     decoding of the same target, run side by side on each prompt. See docs/evaluation.md."""
-    import torch
-
+    from wingspan.devices import resolve_device, use_cpu_threads
     from wingspan.eval.prompts import load_prompt_sets
     from wingspan.eval.report import markdown, write_report
     from wingspan.eval.runner import EvalSettings, evaluate, load_models
@@ -299,9 +312,9 @@ def evaluate_draft(
     # Everything that can fail fast does, before the models load and the decoding starts.
     require_matplotlib()
     prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    model, draft_model = load_models(target, draft, dtype)
+    where = resolve_device(device)
+    use_cpu_threads(where, threads)
+    model, draft_model = load_models(target, draft, dtype, where)
     results = []
     for name, prompts in prompt_sets.items():
         results.append(evaluate(model, draft_model, prompts, settings, name=name))
@@ -360,6 +373,7 @@ def study_layers(
     num_draft_tokens: Annotated[int, typer.Option(help="Drafts per round of the chain decoder.")] = 3,
     tree: Annotated[str, typer.Option(help="The tree decoder: DEPTH,TOPK,TOTAL.")] = "4,4,16",
     max_new_tokens: Annotated[int, typer.Option(help="Cap on each reply.")] = 256,
+    device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
 ) -> None:
     """Train one draft per (depth, injection) under the same data, budget, schedule and seed from one shared
@@ -385,7 +399,7 @@ def study_layers(
             num_draft_tokens=num_draft_tokens,
             tree=list(parse_tree(tree)),
             max_new_tokens=max_new_tokens,
-            train=apply_overrides({}, list(ctx.args)),
+            train=apply_overrides({"device": device}, list(ctx.args)),
         ),
     )
     typer.echo(f"report: {run_study(config, out, threads=threads)}")
@@ -394,11 +408,12 @@ def study_layers(
 @app.command("quickstart")
 def quickstart(
     out: Annotated[Path, typer.Option(help="Where everything goes.")] = Path("runs/quickstart"),
+    device: DeviceOption = "auto",
 ) -> None:
     """The main job on the embedded default: synthesize data, build the vocab, train a 2-layer draft, export it."""
     from wingspan.quickstart import run_quickstart
 
-    run_quickstart(out)
+    run_quickstart(out, device=device)
 
 
 def main() -> None:

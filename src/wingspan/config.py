@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import yaml
 
+from wingspan.devices import device_name
 from wingspan.dtypes import DtypeName
 from wingspan.errors import ConfigError
 from wingspan.files import write_text_atomically
@@ -197,6 +198,7 @@ class TrainConfig:
     output_dir: str = "runs/draft"
     vocab: str | None = None  # a vocab.safetensors from `wingspan vocab`; built from the data when None
     # target
+    device: str = "auto"  # auto (the GPU when there is one), cpu, cuda, cuda:N; under torchrun each rank's GPU
     target_dtype: DtypeName = "bfloat16"
     aux_layer_ids: list[int] | None = None  # default [2, N//2, N-3]
     # draft
@@ -226,7 +228,8 @@ class TrainConfig:
     grad_accum: int = 1
     epochs: float = 1.0
     max_steps: int | None = None  # optimizer steps; overrides epochs when set
-    autocast_bf16: bool = False  # run the draft in bf16 autocast (the target dtype is target_dtype)
+    # run the draft in bf16 autocast (the target dtype is target_dtype); unset: on GPUs yes, on CPUs no
+    autocast_bf16: bool | None = None
     seed: int = 0
     # under torchrun: replicate the draft on every rank (ddp), or shard each decoder layer and the rest of
     # the draft over the ranks (fsdp, FSDP2) when its weights and AdamW state are too large to replicate
@@ -238,6 +241,10 @@ class TrainConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        try:
+            device_name(self.device)
+        except ConfigError as error:
+            raise ConfigError(f"device: {error}") from None
         if self.num_hidden_layers < 1:
             raise ConfigError(f"num_hidden_layers: must be >= 1, got {self.num_hidden_layers}")
         if self.draft_vocab_size < 1:

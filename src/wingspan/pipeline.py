@@ -5,27 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from wingspan.config import TrainConfig
 from wingspan.data.conversations import read_conversations
 from wingspan.data.template import TokenizedConversation, tokenize_conversations
 from wingspan.data.vocab import DraftVocab, build_draft_vocab
+from wingspan.devices import resolve_device, use_cpu_threads
 from wingspan.errors import DataError
-from wingspan.models.target import TargetModel
-from wingspan.train.distributed import current_world, print0, rank_device
+from wingspan.models.target import TargetModel, TargetVocabulary
+from wingspan.train.distributed import current_world, print0
 
 if TYPE_CHECKING:
     from wingspan.data.hidden_states import DumpManifest
 
 
 def load_target(config: TrainConfig) -> TargetModel:
-    """The run's target, on this rank's device (the CPU without torchrun); the draft trains next to it."""
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    return TargetModel.load(
-        config.target, dtype=config.target_dtype, aux_layer_ids=config.aux_layer_ids, device=rank_device()
-    )
+    """The run's target on the config's device (under torchrun, each rank's own GPU); the draft trains next to it."""
+    device = resolve_device(config.device)
+    use_cpu_threads(device, config.num_threads)
+    return TargetModel.load(config.target, dtype=config.target_dtype, aux_layer_ids=config.aux_layer_ids, device=device)
 
 
 def tokenized_dataset(paths: list[str], tokenizer, max_length: int) -> list[TokenizedConversation]:
@@ -58,8 +55,11 @@ def draft_vocab(config: TrainConfig, target: TargetModel, records: list[Tokenize
     return build_vocab(target, records, config.draft_vocab_size, Path(config.output_dir) / "vocab.safetensors")
 
 
-def build_vocab(target: TargetModel, records: list[TokenizedConversation], size: int, path: Path) -> DraftVocab:
-    """The `size` most frequent assistant tokens (end-of-turn ids always in), saved to `path`."""
+def build_vocab(
+    target: TargetModel | TargetVocabulary, records: list[TokenizedConversation], size: int, path: Path
+) -> DraftVocab:
+    """The `size` most frequent assistant tokens (end-of-turn ids always in), saved to `path`; the target's
+    weights are not needed (a `TargetVocabulary` will do)."""
     vocab = build_draft_vocab(
         records, target.vocab_size, min(size, target.vocab_size), always_include=target.eos_token_ids
     )

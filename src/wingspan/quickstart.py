@@ -34,7 +34,7 @@ QUICKSTART_RECIPE = dict(
 SYNTH = dict(num_conversations=360, batch_size=32, max_new_tokens=256)
 
 
-def run_quickstart(out: Path) -> Path:
+def run_quickstart(out: Path, device: str = "auto") -> Path:
     from wingspan.data.synth import synthesize
     from wingspan.data.vocab import DraftVocab
     from wingspan.export.vllm import export_vllm
@@ -45,7 +45,7 @@ def run_quickstart(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     data_path = out / "synth.jsonl"
-    config = TrainConfig(data=[str(data_path)], output_dir=str(out / "run"), **QUICKSTART_RECIPE)
+    config = TrainConfig(data=[str(data_path)], output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE)
     save_json(config, out / "train_config.json")
 
     print(f"[1/4] target {config.target} ({config.target_dtype})")

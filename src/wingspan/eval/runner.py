@@ -307,7 +307,9 @@ def evaluate(
 # ------------------------------------------------------------------------------------------------ models
 
 
-def load_models(target: str, draft: str | Path, dtype: str = "bfloat16") -> tuple[TargetModel, Eagle3Draft]:
+def load_models(
+    target: str, draft: str | Path, dtype: str = "bfloat16", device: str | torch.device = "auto"
+) -> tuple[TargetModel, Eagle3Draft]:
     """The target, capturing the aux layers the draft was trained on, and the draft (a wingspan draft directory
     or a vLLM export) on the target's device and in its dtype, as a serving engine runs it."""
     directory = Path(draft)
@@ -321,7 +323,7 @@ def load_models(target: str, draft: str | Path, dtype: str = "bfloat16") -> tupl
             f"{directory}: neither a wingspan draft (draft_config.json) "
             f"nor a vLLM export (config.json of {ARCHITECTURE})"
         )
-    model = TargetModel.load(target, dtype=dtype, aux_layer_ids=config.aux_layer_ids)
+    model = TargetModel.load(target, dtype=dtype, aux_layer_ids=config.aux_layer_ids, device=device)
     if (config.target_hidden_size, config.vocab_size) != (model.hidden_size, model.vocab_size):
         raise ConfigError(
             f"{directory}: the draft was trained on a target with hidden size {config.target_hidden_size} and "

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from wingspan.data.template import end_of_turn_id
+from wingspan.devices import announce, resolve_device
 from wingspan.dtypes import slow_dtype_warning, torch_dtype
 from wingspan.errors import ConfigError, ModelError
 from wingspan.models.registry import resolve_target
@@ -34,6 +35,42 @@ class TargetOutput:
 class Generation:
     tokens: list[int]  # the new tokens, without the stop token
     stopped: bool  # ended on a stop token (False: hit max_new_tokens)
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig) -> list[int]:
+    """Every id that ends an assistant turn: tokenizer eos, generation_config eos(es), end-of-turn token."""
+    ids = [tokenizer.eos_token_id]
+    eos = generation_config.eos_token_id
+    ids += eos if isinstance(eos, list) else [eos]
+    if tokenizer.chat_template:
+        ids.append(end_of_turn_id(tokenizer, "assistant"))
+    return sorted({i for i in ids if i is not None})
+
+
+@dataclass
+class TargetVocabulary:
+    """What a target's text side needs without its weights (`wingspan vocab`): the tokenizer, the width of
+    the logits and the stop tokens, equal to a loaded `TargetModel`'s."""
+
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    @classmethod
+    def load(cls, name_or_path: str, trust_remote_code: bool = False) -> TargetVocabulary:
+        path = resolve_target(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except OSError as error:
+            raise OSError(f"cannot load the tokenizer of target {name_or_path!r} from {path}: {error}") from None
+        try:  # from_pretrained of the model reads generation_config.json, else derives it from the config
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:
+            generation = GenerationConfig.from_model_config(config)
+        vocab_size = config.get_text_config().vocab_size
+        return cls(name_or_path, tokenizer, vocab_size, stop_token_ids(tokenizer, generation))
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -78,7 +115,7 @@ class TargetModel:
                 f"({name} has {self.num_layers} layers; id k is the input of layer k)"
             )
         self.aux_layer_ids = ids
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = stop_token_ids(tokenizer, model.generation_config)
 
     @classmethod
     def load(
@@ -87,11 +124,14 @@ class TargetModel:
         dtype: str | torch.dtype = "bfloat16",
         aux_layer_ids: list[int] | None = None,
         trust_remote_code: bool = False,
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "auto",
     ) -> TargetModel:
-        """Load an embedded name (see `wingspan models list`), a checkpoint directory or a hub id."""
+        """Load an embedded name (see `wingspan models list`), a checkpoint directory or a hub id, onto `device`
+        (a setting as `wingspan.devices` reads it, or a torch device), and say where and in which dtype."""
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
+        if isinstance(device, str):
+            device = resolve_device(device)
         path = resolve_target(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -99,7 +139,8 @@ class TargetModel:
         except OSError as error:
             where = path if Path(path).is_dir() else "the Hugging Face hub (this needs network access)"
             raise OSError(f"cannot load target {name_or_path!r} from {where}: {error}") from None
-        warning = slow_dtype_warning(dtype, torch.device(device))
+        announce(f"target {name_or_path}", device, dtype)
+        warning = slow_dtype_warning(dtype, device)
         if warning:
             print(warning, file=sys.stderr)
         return cls(model.to(device), tokenizer, name_or_path, aux_layer_ids)
@@ -126,15 +167,6 @@ class TargetModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
-
-    def _eos_token_ids(self) -> list[int]:
-        """Every id that ends an assistant turn: tokenizer eos, generation_config eos(es), end-of-turn token."""
-        ids = [self.tokenizer.eos_token_id]
-        eos = self.model.generation_config.eos_token_id
-        ids += eos if isinstance(eos, list) else [eos]
-        if self.tokenizer.chat_template:
-            ids.append(end_of_turn_id(self.tokenizer, "assistant"))
-        return sorted({i for i in ids if i is not None})
 
     # ------------------------------------------------------------------------------------ weights
 

@@ -1,7 +1,7 @@
 """Data parallelism under torchrun: N processes run the one training loop, each on its share of every step.
 
 `torchrun --nproc-per-node N -m wingspan train ...` starts N processes with RANK, WORLD_SIZE and LOCAL_RANK
-set; `process_group()` joins them (gloo on CPU, NCCL with one GPU per process). Without torchrun there is no
+set; `process_group(device)` joins them (gloo on CPU, NCCL with one GPU per process). Without torchrun there is no
 process group, `current_world()` is a world of one, and nothing here changes the single-process run.
 
 Every rank plans the same micro-batches (the plan is a pure function of seed and epoch) and runs a
@@ -71,15 +71,15 @@ def launched_by_torchrun() -> bool:
 
 
 @contextmanager
-def process_group() -> Iterator[World]:
-    """Join torchrun's process group for the duration of a command (a world of one without torchrun)."""
+def process_group(device: torch.device) -> Iterator[World]:
+    """Join torchrun's process group for the duration of a command (a world of one without torchrun): NCCL
+    when the ranks train on their GPUs (`device`, from `wingspan.devices.resolve_device`), gloo on CPUs."""
     if not launched_by_torchrun():
         yield World()
         return
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         yield current_world()
     finally:
@@ -88,13 +88,6 @@ def process_group() -> Iterator[World]:
 
 def current_world() -> World:
     return World(dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else World()
-
-
-def rank_device() -> torch.device:
-    """Where this process loads the target (and trains the draft): its own GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    return torch.device("cpu")
 
 
 def print0(*args, **kwargs) -> None:

@@ -149,7 +149,17 @@ class MetricLog:
 
 
 def to_device(batch: TTTBatch, device: torch.device) -> TTTBatch:
-    return TTTBatch(*(getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)))
+    """The batch on `device`; to a GPU through pinned memory without waiting, so that the copy overlaps the
+    work already queued (tensors already there, such as the online target's features, are not copied)."""
+    if device.type != "cuda":
+        return TTTBatch(*(getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)))
+    tensors = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    return TTTBatch(*(t if t.device == device else t.pin_memory().to(device, non_blocking=True) for t in tensors))
+
+
+def uses_autocast(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the draft runs under bf16 autocast: `autocast_bf16` when set, else on GPUs only."""
+    return device.type == "cuda" if config.autocast_bf16 is None else config.autocast_bf16
 
 
 @dataclass
@@ -217,7 +227,7 @@ def train_step(
     for k, (micro, scale) in enumerate(share):
         batch = to_device(features(micro), device)
         with gradient_sync(trainee.model, last=k == len(share) - 1):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_autocast(config, device)):
                 result = trainee.model(batch, normaliser)
             (result.loss * scale).backward()
         if scale:
