@@ -71,10 +71,11 @@ def test_collate_lays_records_back_to_back_with_restarting_positions():
     assert micro.positions.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]  # padding continues its row
     assert micro.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert document_ids(micro.positions).tolist() == [[1, 1, 1, 2, 2], [1, 1, 1, 1, 1]]
-    mask = micro.causal_mask()
-    assert mask.shape == (2, 1, 5, 5) and torch.equal(mask, block_causal_mask(micro.positions))
+    assert micro.target_attention_mask() is None  # the target builds its mask from the positions
+    mask = block_causal_mask(micro.positions)
+    assert mask.shape == (2, 1, 5, 5)
     two_blocks = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
     assert mask[0, 0].int().tolist() == two_blocks
     assert torch.equal(mask[1, 0], torch.ones(5, 5, dtype=torch.bool).tril())
     unpacked = collate(records, [[0], [3]], pad_id=-1)
-    assert torch.equal(unpacked.causal_mask(), unpacked.attention_mask)  # the model's own causal path
+    assert torch.equal(unpacked.target_attention_mask(), unpacked.attention_mask)  # the model's own causal path

@@ -20,6 +20,7 @@ def tiny_draft(layers: int, injection: str = "first", draft_vocab_size: int = 40
         embed_injection=injection,
         rope_theta=50000.0,
         rms_norm_eps=1e-6,
+        target_model_type="llama",
     )
     torch.manual_seed(layers)
     draft = Eagle3Draft(tiny_draft_config(**{**fields, **overrides}))
@@ -38,7 +39,7 @@ def tiny_draft(layers: int, injection: str = "first", draft_vocab_size: int = 40
 @pytest.mark.parametrize("layers", [1, 2, 3])
 def test_round_trip_reproduces_logits(tmp_path, layers):
     draft = tiny_draft(layers)
-    out = export_vllm(draft, tmp_path / "vllm", dtype="float32", target_model_type="llama")
+    out = export_vllm(draft, tmp_path / "vllm", dtype="float32")
     loaded = load_vllm_export(out, draft.embed_tokens.weight)
     torch.testing.assert_close(draft_logits(loaded, seed=1), draft_logits(draft, seed=1), rtol=0, atol=0)
     assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
@@ -46,6 +47,40 @@ def test_round_trip_reproduces_logits(tmp_path, layers):
     assert config["num_hidden_layers"] == layers and config["rope_parameters"]["rope_theta"] == 50000.0
     assert config["target_model_type"] == "llama"
     assert "embed_tokens.weight" not in load_file(str(out / "model.safetensors"))
+
+
+SCALINGS = {
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("scaling", sorted(SCALINGS))
+def test_scaled_rope_round_trips_and_reads_as_transformers_reads_it(tmp_path, scaling):
+    from transformers import LlamaConfig
+
+    draft = tiny_draft(2, rope_scaling=SCALINGS[scaling], max_position_embeddings=256)
+    plain = tiny_draft(2, max_position_embeddings=256)
+    out = export_vllm(draft, tmp_path / "vllm", dtype="float32")
+    loaded = load_vllm_export(out, draft.embed_tokens.weight)
+    assert loaded.config.rope_scaling == SCALINGS[scaling] and loaded.config.rope_theta == 50000.0
+    torch.testing.assert_close(draft_logits(loaded, seed=1), draft_logits(draft, seed=1), rtol=0, atol=0)
+    assert not torch.allclose(draft_logits(plain, seed=1, length=40), draft_logits(draft, seed=1, length=40))
+    config = LlamaConfig.from_pretrained(out)  # what vLLM's config loading starts from
+    assert config.rope_parameters == {"rope_theta": 50000.0, **SCALINGS[scaling]}
+
+
+def test_a_target_vllm_cannot_serve_drafts_for_is_refused(tmp_path):
+    draft = tiny_draft(1, target_model_type="gemma3_text")
+    with pytest.raises(ExportError, match="vLLM 0.32 serves no EAGLE-3 draft for Gemma3 targets"):
+        export_vllm(draft, tmp_path / "vllm")
+    assert not (tmp_path / "vllm").exists()
 
 
 def test_bf16_export_is_cast_and_close(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from wingspan.data.template import end_of_turn_id
+from wingspan.errors import ModelError
 from wingspan.models import registry
 from wingspan.models.registry import resolve_target
 from wingspan.models.target import TargetModel
@@ -50,7 +51,7 @@ def test_aux_hidden_and_logits_equal_output_hidden_states(tiny):
 def test_a_packed_row_gives_each_conversation_its_own_features(tiny, tiny_llama_dir, attention):
     """Three conversations back to back in one row (positions restarting, block-causal mask), next to a
     shorter row with padding, give the aux features, logits and last hidden states each gives alone (fp32:
-    2e-7 measured, 1e-5 asserted; with the padding mask alone instead of the block mask, 0.47)."""
+    2e-7 measured, 1e-5 asserted; with the padding mask, which hides the boundaries, 0.47)."""
     from transformers import AutoModelForCausalLM
 
     from wingspan.data.batching import collate
@@ -63,8 +64,8 @@ def test_a_packed_row_gives_each_conversation_its_own_features(tiny, tiny_llama_
         TokenizedConversation(torch.randint(3, 1000, (n,), generator=generator).tolist(), [1] * n) for n in (7, 4, 9, 5)
     ]
     micro = collate(records, [[0, 1, 2], [3]], pad_id=2)
-    packed = target.forward(micro.input_ids, micro.causal_mask(), position_ids=micro.positions)
-    packed_last = target.forward(micro.input_ids, micro.causal_mask(), True, micro.positions).last_hidden
+    packed = target.forward(micro.input_ids, micro.target_attention_mask(), position_ids=micro.positions)
+    packed_last = target.forward(micro.input_ids, micro.target_attention_mask(), True, micro.positions).last_hidden
     for r, row in enumerate(micro.rows):
         at = 0
         for index in row:
@@ -163,15 +164,48 @@ def test_resolve_target_paths_and_hub_ids(tiny_llama_dir, tmp_path):
 
 def test_embedded_models_listed_in_the_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("WINGSPAN_CACHE", str(tmp_path))
-    (info,) = registry.list_models()
-    assert info.name == "smollm2-135m-instruct" and not info.cached
-    assert info.path == str(tmp_path / "models" / "smollm2-135m-instruct")
+    infos = {info.name: info for info in registry.list_models()}
+    assert sorted(infos) == ["gemma3-270m", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
+    info = infos["smollm2-135m-instruct"]
+    assert not info.cached and info.path == str(tmp_path / "models" / "smollm2-135m-instruct")
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in info.source
+    for name, entry in registry.EMBEDDED.items():  # installed: where from; not: the command that installs it
+        expected = "not installed: " + entry.install if entry.locate() is None else f"(quantised {entry.origin})"
+        assert expected in infos[name].source
+
+
+def fake_parts(tmp_path, monkeypatch, contents: list[bytes]) -> list[tuple[str, str]]:
+    """Packages wingspan_fake_part1.. on sys.path, each holding data/part.bin with one of `contents`."""
+    parts = []
+    for i, content in enumerate(contents, start=1):
+        package = tmp_path / "site" / f"wingspan_fake_part{i}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "data" / "part.bin").write_bytes(content)
+        parts.append((f"wingspan_fake_part{i}", "data/part.bin"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return parts
+
+
+def test_parts_are_joined_in_order_and_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("WINGSPAN_CACHE", str(tmp_path / "cache"))
+    parts = fake_parts(tmp_path, monkeypatch, [b"first-", b"second-", b"third"])
+    good = registry.WheelGGUF(
+        tuple(parts), "pip install fake", "org/fake", hashlib.sha256(b"first-second-third").hexdigest()
+    )
+    joined = registry.whole_gguf(good, "fake")
+    assert joined == tmp_path / "cache" / "gguf" / "fake.gguf" and joined.read_bytes() == b"first-second-third"
+    bad = registry.WheelGGUF(tuple(reversed(parts)), "pip install fake", "org/fake", good.sha256)
+    with pytest.raises(ModelError, match="sha256 .* expected .*pip install fake"):
+        registry.whole_gguf(bad, "reversed")
+    assert not (tmp_path / "cache" / "gguf" / "reversed.gguf").exists()
 
 
 def test_missing_wheel_names_the_pip_command(tmp_path, monkeypatch):
     monkeypatch.setenv("WINGSPAN_CACHE", str(tmp_path))
-    missing = registry.WheelGGUF("no_such_wingspan_pkg", "x.gguf", "pip install no-such-wingspan-pkg", "org/x")
+    missing = registry.WheelGGUF((("no_such_wingspan_pkg", "x.gguf"),), "pip install no-such-wingspan-pkg", "org/x")
     monkeypatch.setitem(registry.EMBEDDED, "missing-model", missing)
     with pytest.raises(FileNotFoundError, match="pip install no-such-wingspan-pkg"):
         resolve_target("missing-model")
@@ -206,7 +240,7 @@ def test_prepare_converts_the_gguf_once(tmp_path, monkeypatch):
     path = registry.prepare("smollm2-135m-instruct")
     assert path == str(tmp_path / "models" / "smollm2-135m-instruct")
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["smollm2-135m-instruct"]  # no temp dir left
-    assert registry.list_models()[0].cached
+    assert registry.list_models()[0].cached and registry.list_models()[0].name == "smollm2-135m-instruct"
     stamp = (tmp_path / "models" / "smollm2-135m-instruct" / "model.safetensors").stat().st_mtime_ns
     assert resolve_target("smollm2-135m-instruct") == path
     assert (tmp_path / "models" / "smollm2-135m-instruct" / "model.safetensors").stat().st_mtime_ns == stamp

@@ -155,6 +155,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn")
+
+
 @dataclass
 class DraftConfig:
     """The draft architecture. Llama fields follow transformers' LlamaConfig names (and vLLM's export)."""
@@ -172,8 +175,12 @@ class DraftConfig:
     embed_injection: Literal["first", "all"] = "first"
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # the target's RoPE scaling, as transformers' rope_parameters without the theta (rope_type llama3, yarn or
+    # linear and their fields); None: plain RoPE
+    rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 8192
     hidden_act: Literal["silu"] = "silu"
+    target_model_type: str | None = None  # the target's config.model_type (what its family allows on export)
 
     def __post_init__(self) -> None:
         if self.num_hidden_layers < 1:
@@ -184,6 +191,11 @@ class DraftConfig:
             raise ConfigError(f"draft_vocab_size: must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
         if len(self.aux_layer_ids) < 1:
             raise ConfigError("aux_layer_ids: at least one target layer is needed")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in SCALED_ROPE_TYPES:
+            raise ConfigError(
+                f"rope_scaling: rope_type {self.rope_scaling.get('rope_type')!r} is not supported for drafts; "
+                f"supported: {', '.join(SCALED_ROPE_TYPES)} (a length-dependent RoPE would change with the context)"
+            )
 
 
 @dataclass

@@ -37,10 +37,11 @@ class MicroBatch:
     positions: torch.Tensor  # [R, T] position inside its conversation; padding continues the row's last one
     attention_mask: torch.Tensor  # [R, T] long, 1 on real tokens
 
-    def causal_mask(self) -> torch.Tensor:
-        """What a causal LM must attend over these rows: the [R, T] padding mask when every row is one
-        conversation (the model adds causality itself, on its fast path), else `block_causal_mask`."""
-        return block_causal_mask(self.positions) if is_packed(self.positions) else self.attention_mask
+    def target_attention_mask(self) -> torch.Tensor | None:
+        """The attention mask `TargetModel.forward` takes with `positions`: the [R, T] padding mask when every
+        row is one conversation, else None: the target then builds the block-causal mask from the positions,
+        which restart at 0 (padding continues the last one), with its layers' sliding windows."""
+        return None if is_packed(self.positions) else self.attention_mask
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:

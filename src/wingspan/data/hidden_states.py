@@ -301,7 +301,7 @@ def shard_tensors(
     for batch in plan_packed(lengths, row_tokens, batch_tokens, seed=0, epoch=0, shuffle=False):
         micro = collate(records, batch, pad_id)
         out = target.forward(
-            micro.input_ids, micro.causal_mask(), return_last_hidden=True, position_ids=micro.positions
+            micro.input_ids, micro.target_attention_mask(), return_last_hidden=True, position_ids=micro.positions
         )
         # The target's own lm_head, as its forward applies it; max().indices, not argmax(): the latter has no
         # fast bf16 kernel on CPU.

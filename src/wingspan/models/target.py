@@ -17,10 +17,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from wingspan.data.batching import block_causal_mask, is_packed
 from wingspan.data.template import end_of_turn_id
 from wingspan.devices import announce, resolve_device
 from wingspan.dtypes import slow_dtype_warning, torch_dtype
 from wingspan.errors import ConfigError, ModelError
+from wingspan.models.families import family_of, sliding_window
 from wingspan.models.registry import resolve_target
 
 
@@ -105,7 +107,9 @@ class TargetModel:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
+        self.family = family_of(model.config, name)
         self.config = model.config.get_text_config()
+        self.sliding_window = sliding_window(self.config)
         self.layers = decoder_layers(model, self.num_layers)
         ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else list(aux_layer_ids)
         bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.num_layers]
@@ -177,8 +181,9 @@ class TargetModel:
         return self.model.get_output_embeddings().weight
 
     def norm_weight(self) -> torch.Tensor:
-        """The final norm's weight (the draft's norm starts from it, matching lm_head rows' input scale)."""
-        return self.model.get_decoder().norm.weight
+        """The final norm's scale as a Llama RMSNorm weight (`x * w`): the draft's norm starts from it, matching
+        the lm_head rows' input scale. Gemma stores w - 1 (its norm computes `x * (1 + w)`)."""
+        return self.model.get_decoder().norm.weight + self.family.norm_offset
 
     # ------------------------------------------------------------------------------------ forward
 
@@ -206,14 +211,38 @@ class TargetModel:
         return torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
 
     def model_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """A bool [B, 1, Q, K] mask (True = may attend) as this model's attention takes it: SDPA the bool mask
-        itself, eager attention an additive one (0 / -inf: it adds the mask to the scores). Passing a prepared
-        4D mask skips the model's own mask building, so sliding-window attention is not applied: fine for
-        Llama-style targets."""
+        """A bool [B, 1, Q, K] mask (True = may attend) of a decoder's cached forward, as this model's attention
+        takes it. A ready-made mask replaces the model's own, sliding windows included, so it is refused where
+        a window would apply."""
+        if self.sliding_window is not None and mask.shape[-1] > self.sliding_window:
+            raise ModelError(
+                f"{self.name}: {mask.shape[-1]} positions exceed its {self.sliding_window}-token sliding window, "
+                "which tree and batched decoding do not apply; use chain decoding at batch 1 (or shorter replies)"
+            )
+        return self._attention_form(mask)
+
+    def _attention_form(self, mask: torch.Tensor) -> torch.Tensor:
+        """SDPA takes the bool mask itself, eager attention an additive one (0 / -inf: it adds it to the scores)."""
         if getattr(self.model.config, "_attn_implementation", "sdpa") == "sdpa":
             return mask
         additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
         return additive.masked_fill(~mask, torch.finfo(self.dtype).min)
+
+    def packed_attention(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The attention mask of rows holding several conversations (positions restarting at 0): block-causal,
+        and inside each block the sliding window of the layers that have one. Families with per-layer types
+        take one mask per type; the others one mask, windowed when all their layers slide (Mistral)."""
+        allowed = block_causal_mask(positions.to(self.device))
+        windowed = allowed
+        if self.sliding_window is not None:
+            index = torch.arange(positions.shape[1], device=self.device)
+            windowed = allowed & (index[:, None] - index[None, :] < self.sliding_window)
+        if getattr(self.config, "layer_types", None) is not None:
+            return {
+                "full_attention": self._attention_form(allowed),
+                "sliding_attention": self._attention_form(windowed),
+            }
+        return self._attention_form(windowed)
 
     @torch.no_grad()  # not inference_mode: the outputs feed the draft's autograd graph
     def forward(
@@ -225,14 +254,15 @@ class TargetModel:
     ) -> TargetOutput:
         """Aux hidden states plus logits, or plus the final hidden state (skipping the lm_head).
 
-        attention_mask: [B, T] (1 on real tokens, the model adds causality), or a bool [B, 1, T, T] (True =
-        may attend) for rows of several documents, with their `position_ids` [B, T] (packed training rows).
+        attention_mask: [B, T] (1 on real tokens, the model adds causality). Rows of several conversations
+        (packed) pass None and `position_ids` [B, T] that restart at 0 at each conversation: the mask is then
+        `packed_attention`, not left to the model (not every family reads conversations off the positions).
         """
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
-            if attention_mask.dim() == 4:
-                attention_mask = self.model_mask(attention_mask)
+        elif position_ids is not None and is_packed(position_ids):
+            attention_mask = self.packed_attention(position_ids)
         position_ids = None if position_ids is None else position_ids.to(self.device)
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         with self.capture_aux() as captured:

@@ -29,9 +29,9 @@ class OnlineFeatures:
         self.draft_vocab_ids = draft_to_target_ids(d2t)
 
     def __call__(self, micro: MicroBatch) -> TTTBatch:
-        # Packed rows: per-conversation positions and a block-causal mask, so that each conversation gets
-        # the features it gets alone.
-        out = self.target.forward(micro.input_ids, micro.causal_mask(), position_ids=micro.positions)
+        # Packed rows: per-conversation positions, from which the target masks each conversation off, so that
+        # each gets the features it gets alone.
+        out = self.target.forward(micro.input_ids, micro.target_attention_mask(), position_ids=micro.positions)
         logits = out.logits
         # max().indices, not argmax(): the latter has no fast bf16 kernel on CPU.
         return TTTBatch(

@@ -28,6 +28,7 @@ from wingspan.data.batching import MicroBatch, collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
 from wingspan.errors import ConfigError
 from wingspan.models.draft import Eagle3Draft, write_draft
+from wingspan.models.families import rope_parameters
 from wingspan.train.checkpoint import Checkpoint, latest_checkpoint, read_checkpoint, save_checkpoint
 from wingspan.train.distributed import (
     World,
@@ -58,6 +59,7 @@ def learning_rate(step: int, total: int, config: TrainConfig) -> float:
 def draft_config_for(target, config: TrainConfig, vocab_size: int, draft_vocab_size: int) -> DraftConfig:
     """A draft shaped like one decoder layer of the target (vLLM requires draft hidden == target hidden)."""
     hf = target.config
+    rope_theta, rope_scaling = rope_parameters(hf)
     return DraftConfig(
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
@@ -71,8 +73,10 @@ def draft_config_for(target, config: TrainConfig, vocab_size: int, draft_vocab_s
         num_hidden_layers=config.num_hidden_layers,
         embed_injection=config.embed_injection,
         rms_norm_eps=hf.rms_norm_eps,
-        rope_theta=float(getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=hf.max_position_embeddings,
+        target_model_type=hf.model_type,
     )
 
 
