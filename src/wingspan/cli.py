@@ -40,6 +40,28 @@ DeviceOption = Annotated[
 ]
 
 
+def template_variables(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise typer.BadParameter(f"{text!r}: not JSON ({error})", param_hint="--chat-template-kwargs") from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter(f"{text!r}: expected a JSON object", param_hint="--chat-template-kwargs")
+    return value
+
+
+TemplateOption = Annotated[
+    str | None,
+    typer.Option(help="A Jinja chat template file, for a target without one (a base model) or to replace its own."),
+]
+TemplateVariablesOption = Annotated[
+    str,
+    typer.Option(help="Chat template variables as a JSON object, e.g. '{\"enable_thinking\": false}' (Qwen3)."),
+]
+
+
 def train_config(config_file: Path | None, overrides: list[str]) -> TrainConfig:
     """A run = one config file (JSON or YAML) plus `key=value` overrides."""
     base = read_mapping(config_file) if config_file else {}
@@ -74,6 +96,8 @@ def data_synth(
     target: TargetOption = "smollm2-135m-instruct",
     dtype: DtypeOption = "bfloat16",
     device: DeviceOption = "auto",
+    chat_template: TemplateOption = None,
+    chat_template_kwargs: TemplateVariablesOption = "{}",
     batch_size: int = 16,
     max_new_tokens: Annotated[int, typer.Option(help="Cap on each generated reply.")] = 512,
     user_temperature: Annotated[float, typer.Option(help="Sampling temperature of the invented user turns.")] = 1.0,
@@ -84,7 +108,13 @@ def data_synth(
     from wingspan.data.synth import synthesize
     from wingspan.models.target import TargetModel
 
-    model = TargetModel.load(target, dtype=dtype, device=device)
+    model = TargetModel.load(
+        target,
+        dtype=dtype,
+        device=device,
+        chat_template=chat_template,
+        chat_template_kwargs=template_variables(chat_template_kwargs),
+    )
     synthesize(
         model,
         num,
@@ -107,6 +137,8 @@ def data_regenerate(
     target: TargetOption = "smollm2-135m-instruct",
     dtype: DtypeOption = "bfloat16",
     device: DeviceOption = "auto",
+    chat_template: TemplateOption = None,
+    chat_template_kwargs: TemplateVariablesOption = "{}",
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     max_new_tokens: int = 512,
     batch_size: Annotated[int, typer.Option(help="Conversations per batched generate (in-process).")] = 16,
@@ -141,7 +173,13 @@ def data_regenerate(
         from wingspan.data.synth import regenerate
         from wingspan.models.target import TargetModel
 
-        target_model = TargetModel.load(target, dtype=dtype, device=device)
+        target_model = TargetModel.load(
+            target,
+            dtype=dtype,
+            device=device,
+            chat_template=chat_template,
+            chat_template_kwargs=template_variables(chat_template_kwargs),
+        )
         regenerate(
             target_model,
             conversations,
@@ -160,13 +198,15 @@ def vocab(
     size: Annotated[int, typer.Option(help="Draft vocab size.")] = 16384,
     target: TargetOption = "smollm2-135m-instruct",
     max_length: int = 1024,
+    chat_template: TemplateOption = None,
+    chat_template_kwargs: TemplateVariablesOption = "{}",
 ) -> None:
     """Build the draft vocab (d2t, t2d) from assistant-token frequencies and report its coverage. Reads only the
     target's tokenizer and config, never its weights."""
     from wingspan.models.target import TargetVocabulary
     from wingspan.pipeline import build_vocab, tokenized_dataset
 
-    text = TargetVocabulary.load(target)
+    text = TargetVocabulary.load(target, chat_template, template_variables(chat_template_kwargs))
     build_vocab(text, tokenized_dataset([str(p) for p in data], text.tokenizer, max_length), size, out)
 
 
@@ -276,6 +316,8 @@ def evaluate_draft(
         ),
     ] = "bfloat16",
     device: DeviceOption = "auto",
+    chat_template: TemplateOption = None,
+    chat_template_kwargs: TemplateVariablesOption = "{}",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
     warmup: Annotated[int, typer.Option(help="Prompts (batches) decoded untimed first, by both decoders.")] = 1,
@@ -314,7 +356,14 @@ def evaluate_draft(
     prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit)
     where = resolve_device(device)
     use_cpu_threads(where, threads)
-    model, draft_model = load_models(target, draft, dtype, where)
+    model, draft_model = load_models(
+        target,
+        draft,
+        dtype,
+        where,
+        chat_template=chat_template,
+        chat_template_kwargs=template_variables(chat_template_kwargs),
+    )
     results = []
     for name, prompts in prompt_sets.items():
         results.append(evaluate(model, draft_model, prompts, settings, name=name))

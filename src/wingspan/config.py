@@ -209,6 +209,9 @@ class TrainConfig:
     from_dump: str | None = None
     output_dir: str = "runs/draft"
     vocab: str | None = None  # a vocab.safetensors from `wingspan vocab`; built from the data when None
+    # a Jinja chat template file, for targets that ship none (base models) or to replace the target's own
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables: {enable_thinking: false}
     # target
     device: str = "auto"  # auto (the GPU when there is one), cpu, cuda, cuda:N; under torchrun each rank's GPU
     target_dtype: DtypeName = "bfloat16"

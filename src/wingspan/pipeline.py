@@ -22,7 +22,14 @@ def load_target(config: TrainConfig) -> TargetModel:
     """The run's target on the config's device (under torchrun, each rank's own GPU); the draft trains next to it."""
     device = resolve_device(config.device)
     use_cpu_threads(device, config.num_threads)
-    return TargetModel.load(config.target, dtype=config.target_dtype, aux_layer_ids=config.aux_layer_ids, device=device)
+    return TargetModel.load(
+        config.target,
+        dtype=config.target_dtype,
+        aux_layer_ids=config.aux_layer_ids,
+        device=device,
+        chat_template=config.chat_template,
+        chat_template_kwargs=config.chat_template_kwargs,
+    )
 
 
 def tokenized_dataset(paths: list[str], tokenizer, max_length: int) -> list[TokenizedConversation]:

@@ -18,14 +18,17 @@ and reply (" Bonjour" after Mistral's "[/INST]") is learned. The ids are exactly
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import PreTrainedTokenizerBase
 
 from wingspan.data.conversations import Conversation, SkipReport
-from wingspan.errors import DataError, ModelError
+from wingspan.errors import ConfigError, DataError, ModelError
 
 # A stand-in for message contents, to see what the template writes around them. Private-use characters: no
 # template rewrites them and no tokenizer merges them with their neighbours.
@@ -43,8 +46,43 @@ class TemplateAlignmentError(DataError):
     """The rendered conversation could not be matched to its messages (the template rewrites contents)."""
 
 
+def set_chat_template(
+    tokenizer: PreTrainedTokenizerBase, template_file: str | None = None, variables: dict[str, Any] | None = None
+) -> None:
+    """Give `tokenizer` the chat template in `template_file` (for a target that ships none, a base model, or to
+    replace its own), and fix template `variables` (Qwen3's enable_thinking) in it: every rendering (training,
+    dumps, data generation, evaluation) then sees them, and a dump's template fingerprint covers them."""
+    if template_file is not None:
+        try:
+            tokenizer.chat_template = Path(template_file).read_text()
+        except OSError as error:
+            raise ConfigError(f"chat_template: cannot read {template_file} ({error.strerror})") from None
+    if variables:
+        require_chat_template(tokenizer)
+        bad = [name for name in variables if not name.isidentifier()]
+        if bad:
+            raise ConfigError(f"chat_template_kwargs: {bad} are not template variable names")
+        # A `set` at the top of a Jinja template shadows the variable passed to render(), in the whole template.
+        header = "".join(f"{{% set {name} = {_jinja_literal(value)} %}}" for name, value in variables.items())
+        tokenizer.chat_template = header + tokenizer.chat_template
+
+
+def _jinja_literal(value: Any) -> str:
+    return "none" if value is None else json.dumps(value)
+
+
+def require_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """A ModelError for a tokenizer without a chat template, saying how to give one."""
+    if not tokenizer.chat_template:
+        raise ModelError(
+            f"{tokenizer.name_or_path}: the tokenizer has no chat template (a base model?); give one as a Jinja "
+            "file: chat_template=PATH in the run config, --chat-template PATH on the command line"
+        )
+
+
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of `messages` rendered with the chat template, ready for the assistant to answer."""
+    require_chat_template(tokenizer)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # The template writes any BOS itself; the tokenizer must not add another.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -53,6 +91,7 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
 def user_turn_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Everything the chat template writes before a first user message's content (default system prompt,
     role header)."""
+    require_chat_template(tokenizer)
     sentinel = _SENTINEL.format(0)
     text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
     if sentinel not in text:
@@ -187,6 +226,7 @@ def tokenize_conversations(
     template rewrites beyond recognition, and one with no masked token within max_length. Nothing left is a
     DataError; a template that does not parse raises at once.
     """
+    require_chat_template(tokenizer)
     if not tokenizer.is_fast:
         raise ModelError("the loss mask needs a fast tokenizer (character offsets); load it with use_fast=True")
     markers = _added_tokens(tokenizer)  # once: some tokenizers have thousands of added tokens

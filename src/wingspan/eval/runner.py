@@ -308,7 +308,12 @@ def evaluate(
 
 
 def load_models(
-    target: str, draft: str | Path, dtype: str = "bfloat16", device: str | torch.device = "auto"
+    target: str,
+    draft: str | Path,
+    dtype: str = "bfloat16",
+    device: str | torch.device = "auto",
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[TargetModel, Eagle3Draft]:
     """The target, capturing the aux layers the draft was trained on, and the draft (a wingspan draft directory
     or a vLLM export) on the target's device and in its dtype, as a serving engine runs it."""
@@ -323,7 +328,14 @@ def load_models(
             f"{directory}: neither a wingspan draft (draft_config.json) "
             f"nor a vLLM export (config.json of {ARCHITECTURE})"
         )
-    model = TargetModel.load(target, dtype=dtype, aux_layer_ids=config.aux_layer_ids, device=device)
+    model = TargetModel.load(
+        target,
+        dtype=dtype,
+        aux_layer_ids=config.aux_layer_ids,
+        device=device,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+    )
     if (config.target_hidden_size, config.vocab_size) != (model.hidden_size, model.vocab_size):
         raise ConfigError(
             f"{directory}: the draft was trained on a target with hidden size {config.target_hidden_size} and "

