@@ -227,6 +227,7 @@ def test_training_refuses_a_dump_of_other_settings(dumped, target, tmp_path, con
     for field, value, message in [
         ("max_length", 128, "max_length: dump has 64, config has 128"),
         ("target_dtype", "bfloat16", "target_dtype: dump has 'float32', config has 'bfloat16'"),
+        ("learn_reasoning", False, "learn_reasoning: dump has True, config has False"),  # other loss masks
     ]:
         other = TrainConfig(
             **{**to_dict(config), field: value, "from_dump": str(directory), "output_dir": str(tmp_path / field)}

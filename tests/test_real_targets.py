@@ -3,6 +3,7 @@ ChatML) trained, exported and served by vLLM with greedy outputs unchanged; Gemm
 chat template, sliding windows, Gemma's norm) trained with a given template and evaluated by `wingspan eval`,
 its vLLM export refused with a clear error. One converted checkpoint per family, shared by the tests."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -12,13 +13,15 @@ import pytest
 from conftest import NEEDS_VLLM, VLLM_PYTHON
 
 from wingspan.config import TrainConfig
-from wingspan.data.template import chat_prompt
+from wingspan.data.conversations import read_conversations
+from wingspan.data.template import chat_prompt, tokenize_conversations
 from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.eval.referee import run_vllm_referee
 from wingspan.eval.runner import load_models
 from wingspan.export.vllm import export_vllm
 from wingspan.models.draft import Eagle3Draft
 from wingspan.models.registry import EMBEDDED, resolve_target
+from wingspan.models.target import TargetVocabulary
 from wingspan.pipeline import load_target, run_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +93,24 @@ def qwen_export(conversations, tmp_path_factory) -> Path:
     target = load_target(config)
     draft_dir = run_training(config, target=target)
     return export_vllm(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), out / "vllm", dtype="float32")
+
+
+def masked_texts(tokenizer, record) -> list[str]:
+    runs = itertools.groupby(zip(record.input_ids, record.loss_mask), key=lambda pair: pair[1])
+    return [tokenizer.decode([token for token, _ in run]) for masked, run in runs if masked]
+
+
+@installed(QWEN)
+@installed(GEMMA)
+def test_the_loss_mask_under_the_shipped_tokenizers(conversations):
+    """Each reply plus its end-of-turn token, under Qwen's own ChatML template (which adds a default system
+    prompt) and under Gemma3's template given to its base model."""
+    first = read_conversations(conversations)[0][0]
+    reply = first.messages[1].content
+    for name, template, end in ((QWEN, None, "<|im_end|>"), (GEMMA, str(GEMMA_TEMPLATE), "<end_of_turn>")):
+        tokenizer = TargetVocabulary.load(name, chat_template=template).tokenizer
+        (record,), _ = tokenize_conversations(tokenizer, [first], 512)
+        assert masked_texts(tokenizer, record) == [reply + end], name
 
 
 @installed(QWEN)

@@ -2,7 +2,6 @@
 
 import copy
 import itertools
-import time
 
 import pytest
 
@@ -273,18 +272,56 @@ def test_nothing_left_or_a_broken_template_is_an_error(smollm2_tokenizer):
         tokenize_conversations(broken, [MULTI_TURN], 512)
 
 
-def test_tokenize_conversations_matches_one_at_a_time_and_is_fast(smollm2_tokenizer):
+def test_reasoning_is_learned_or_left_out_as_asked(smollm2_tokenizer):
+    reply = "<think>\nThe user wants a number; 4 is even.\n</think>\n\nFour is even."
+    c = conversation(
+        ("user", "Name an even number."), ("assistant", reply), ("user", "Another?"), ("assistant", "Six.")
+    )
+    (learned,), _ = tokenize_conversations(smollm2_tokenizer, [c], 512)
+    assert masked_texts(smollm2_tokenizer, learned) == [reply + "<|im_end|>", "Six.<|im_end|>"]
+    (left_out,), _ = tokenize_conversations(smollm2_tokenizer, [c], 512, learn_reasoning=False)
+    assert masked_texts(smollm2_tokenizer, left_out) == ["Four is even.<|im_end|>", "Six.<|im_end|>"]
+    assert left_out.input_ids == learned.input_ids
+
+
+def test_chat_template_file_and_variables(smollm2_tokenizer, tmp_path):
+    from wingspan.data.template import chat_prompt, set_chat_template
+    from wingspan.errors import ConfigError
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = None
+    with pytest.raises(ModelError, match="no chat template .*chat_template=PATH"):
+        tokenize_conversations(tokenizer, [MULTI_TURN], 512)
+    with pytest.raises(ModelError, match="no chat template"):
+        chat_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+    # Qwen3's switch, in a template that reads it the way Qwen3's does.
+    template = tmp_path / "thinking.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    )
+    set_chat_template(tokenizer, str(template))
+    messages = [{"role": "user", "content": "hi"}]
+    assert not tokenizer.decode(chat_prompt(tokenizer, messages)).endswith("</think>\n\n")
+    set_chat_template(tokenizer, variables={"enable_thinking": False})
+    assert tokenizer.decode(chat_prompt(tokenizer, messages)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    check(tokenizer, MULTI_TURN, "<|im_end|>")  # the mask is unchanged by the variables
+    with pytest.raises(ConfigError, match="cannot read"):
+        set_chat_template(tokenizer, str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="not template variable names"):
+        set_chat_template(tokenizer, variables={"enable-thinking": False})
+
+
+def test_tokenize_conversations_matches_one_at_a_time(smollm2_tokenizer):
     many = [
         conversation(
             ("user", f"Question {i}: " + "why? " * (i % 50)), ("assistant", f"Answer {i}. " + "because " * (i % 300))
         )
         for i in range(2000)
     ]
-    start = time.perf_counter()
     records, report = tokenize_conversations(smollm2_tokenizer, many, max_length=2048)
-    elapsed = time.perf_counter() - start
     assert report.skipped == 0 and len(records) == len(many)
     for i in (0, 777, 1999):
         one = tokenize_one(smollm2_tokenizer, many[i], max_length=2048)
         assert (records[i].input_ids, records[i].loss_mask) == (one.input_ids, one.loss_mask)
-    assert elapsed < 10, f"2000 conversations took {elapsed:.1f} s"

@@ -448,10 +448,10 @@ def study_layers(
             num_draft_tokens=num_draft_tokens,
             tree=list(parse_tree(tree)),
             max_new_tokens=max_new_tokens,
-            train=apply_overrides({"device": device}, list(ctx.args)),
+            train=apply_overrides({}, list(ctx.args)),
         ),
     )
-    typer.echo(f"report: {run_study(config, out, threads=threads)}")
+    typer.echo(f"report: {run_study(config, out, threads=threads, device=device)}")
 
 
 @app.command("quickstart")

@@ -212,6 +212,7 @@ class TrainConfig:
     # a Jinja chat template file, for targets that ship none (base models) or to replace the target's own
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables: {enable_thinking: false}
+    learn_reasoning: bool = True  # false: reasoning in replies (<think>...</think>) is kept out of the loss
     # target
     device: str = "auto"  # auto (the GPU when there is one), cpu, cuda, cuda:N; under torchrun each rank's GPU
     target_dtype: DtypeName = "bfloat16"

@@ -32,14 +32,16 @@ def load_target(config: TrainConfig) -> TargetModel:
     )
 
 
-def tokenized_dataset(paths: list[str], tokenizer, max_length: int) -> list[TokenizedConversation]:
+def tokenized_dataset(
+    paths: list[str], tokenizer, max_length: int, learn_reasoning: bool = True
+) -> list[TokenizedConversation]:
     """Read and tokenize training conversations; skips are counted and printed, never silent."""
     if not paths:
         raise DataError("no training data: set `data` to one or more conversation files")
     records: list[TokenizedConversation] = []
     for path in paths:
         conversations, read_report = read_conversations(path, require_assistant=True)
-        tokenized, template_report = tokenize_conversations(tokenizer, conversations, max_length)
+        tokenized, template_report = tokenize_conversations(tokenizer, conversations, max_length, learn_reasoning)
         records += tokenized
         skips = "; ".join(r.summary() for r in (read_report, template_report) if r.skipped)
         print0(
@@ -94,7 +96,7 @@ def run_training(config: TrainConfig, resume: bool = False, target: TargetModel 
         print0(f"{dump.path}: {len(dump.records)} conversations, {dump.manifest.num_tokens} tokens (dumped features)")
         features = DumpFeatures(dump, target, vocab.d2t)
         return train(config, target, dump.records, vocab.d2t, vocab.t2d, resume=resume, features=features)
-    records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
+    records = tokenized_dataset(config.data, target.tokenizer, config.max_length, config.learn_reasoning)
     vocab = draft_vocab(config, target, records)
     return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume)  # online: the target runs each batch
 
@@ -112,7 +114,7 @@ def run_dump(
     from wingspan.data.hidden_states import dump_identity, write_dump
 
     target = target or load_target(config)
-    records = tokenized_dataset(config.data, target.tokenizer, config.max_length)
+    records = tokenized_dataset(config.data, target.tokenizer, config.max_length, config.learn_reasoning)
     return write_dump(
         target,
         records,

@@ -63,6 +63,7 @@ class DumpIdentity:
     target_dtype: str
     max_length: int
     data: list[DataFile]
+    learn_reasoning: bool = True  # the loss masks stored; dumps from before the option learned reasoning
 
 
 @dataclass
@@ -139,6 +140,7 @@ def dump_identity(config: TrainConfig, target) -> DumpIdentity:
         target_dtype=config.target_dtype,
         max_length=config.max_length,
         data=[DataFile(path, file_sha256(path)) for path in config.data],
+        learn_reasoning=config.learn_reasoning,
     )
 
 
@@ -155,7 +157,7 @@ def require_match(where: Path, dump: DumpIdentity, wanted: DumpIdentity, compare
             f"chat template / tokenizer: dump has fingerprint {dump.template_fingerprint[:12]}, "
             f"config's target has {wanted.template_fingerprint[:12]}"
         )
-    for name in ("aux_layer_ids", "target_dtype", "max_length"):
+    for name in ("aux_layer_ids", "target_dtype", "max_length", "learn_reasoning"):
         if getattr(dump, name) != getattr(wanted, name):
             differences.append(f"{name}: dump has {getattr(dump, name)!r}, config has {getattr(wanted, name)!r}")
     if compare_data and [d.sha256 for d in dump.data] != [d.sha256 for d in wanted.data]:

@@ -19,6 +19,7 @@ and reply (" Bonjour" after Mistral's "[/INST]") is learned. The ids are exactly
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from wingspan.errors import ConfigError, DataError, ModelError
 # template rewrites them and no tokenizer merges them with their neighbours.
 _SENTINEL = "\ue000wingspan{}\ue000"
 _BATCH = 256  # conversations tokenized per call: the Rust tokenizer parallelises within a batch
+_REASONING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)  # Qwen3, DeepSeek-R1 and gpt-oss-style distills
 
 
 @dataclass
@@ -217,10 +219,25 @@ def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], te
     return ((covered[bounds[:, 1]] - covered[bounds[:, 0]]) > 0).astype(np.int64).tolist()
 
 
+def without_reasoning(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`spans` less the reasoning blocks inside them (`<think>...</think>` and the whitespace after it)."""
+    kept = []
+    for start, end in spans:
+        cursor = start
+        for block in _REASONING.finditer(text, start, end):
+            if block.start() > cursor:
+                kept.append((cursor, block.start()))
+            cursor = block.end()
+        if cursor < end:
+            kept.append((cursor, end))
+    return kept
+
+
 def tokenize_conversations(
-    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int, learn_reasoning: bool = True
 ) -> tuple[list[TokenizedConversation], SkipReport]:
     """Tokenize many conversations (batched through the Rust tokenizer); drop those with nothing to learn.
+    With `learn_reasoning` False the reasoning blocks of the replies are not masked (`without_reasoning`).
 
     Skipped and counted: a conversation the template rejects (e.g. roles that do not alternate), one the
     template rewrites beyond recognition, and one with no masked token within max_length. Nothing left is a
@@ -248,6 +265,8 @@ def tokenize_conversations(
         encodings = tokenizer([text for _, text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
         batch = zip(rendered, encodings["input_ids"], encodings["offset_mapping"])
         for (conversation, text, spans), ids, offsets in batch:
+            if not learn_reasoning:
+                spans = without_reasoning(text, spans)
             mask = _token_mask(offsets, spans, len(text))[:max_length]
             if not any(mask):
                 report.add("no assistant token", f"{conversation.source}: no assistant token in the first {max_length}")

@@ -59,7 +59,7 @@ def prepare_shared(config: StudyConfig, out: Path, target):
     from wingspan.pipeline import build_vocab, tokenized_dataset
 
     base = config.base_train_config()
-    records = tokenized_dataset(base.data, target.tokenizer, base.max_length)
+    records = tokenized_dataset(base.data, target.tokenizer, base.max_length, base.learn_reasoning)
     vocab_path = out / "shared" / "vocab.safetensors"
     if vocab_path.exists():
         vocab = DraftVocab.load(vocab_path)
@@ -186,8 +186,9 @@ def draft_cost(results: list[dict[str, Any]]) -> float | None:
     return (sum(p["spec_draft_s"] for p in prompts) / drafted) / (greedy_s / greedy_tokens)
 
 
-def run_study(config: StudyConfig, out: Path, threads: int | None = None) -> Path:
-    """Every stage in order; returns the report's path. Re-running continues where it stopped."""
+def run_study(config: StudyConfig, out: Path, threads: int | None = None, device: str | None = None) -> Path:
+    """Every stage in order; returns the report's path. Re-running continues where it stopped, on any `device`
+    (not part of the study: it changes where the work runs, not what it computes)."""
     from wingspan.pipeline import load_target
 
     out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +197,8 @@ def run_study(config: StudyConfig, out: Path, threads: int | None = None) -> Pat
     if config.first_turn_only:
         prompt_sets = first_turns(prompt_sets)
     base = config.base_train_config()
+    if device is not None:
+        base = dataclasses.replace(base, device=device)
     if threads:
         torch.set_num_threads(threads)
     target = load_target(base)
