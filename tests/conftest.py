@@ -82,6 +82,24 @@ def quickstart_dir(tmp_path_factory) -> Path:
     return out
 
 
+def write_counting_conversations(path: Path, count: int = 12) -> Path:
+    """`count` short conversations (count from i to i + 5) as JSONL at `path`: training data for tiny targets."""
+    import json
+
+    rows = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"role": "user", "content": f"Count from {i} to {i + 5}, please."},
+                {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 6)) + ". Done!"},
+            ],
+        }
+        for i in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def tiny_draft_config(**fields):
     """The DraftConfig of the tiny drafts tests build (hidden 32, 4 heads over 2 kv heads of 8, aux layers
     1-3), with `fields` (vocab sizes, depth, ...) set or replaced."""

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import write_counting_conversations
 
 
 def wingspan(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -16,19 +17,7 @@ def wingspan(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 @pytest.fixture
 def conversations(tmp_path) -> Path:
-    path = tmp_path / "chat.jsonl"
-    rows = [
-        {
-            "id": f"c{i}",
-            "conversations": [
-                {"role": "user", "content": f"Count from {i} to {i + 5}, please."},
-                {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 6)) + ". Done!"},
-            ],
-        }
-        for i in range(12)
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_counting_conversations(tmp_path / "chat.jsonl")
 
 
 def test_every_command_has_help():

@@ -6,9 +6,10 @@ export, and refusals."""
 import pytest
 import torch
 from test_speculative import sharpen
+from test_target import check_packed_rows
 
 from wingspan.config import TrainConfig
-from wingspan.data.batching import block_causal_mask, collate
+from wingspan.data.batching import block_causal_mask
 from wingspan.data.template import TokenizedConversation
 from wingspan.data.vocab import build_draft_vocab
 from wingspan.decode.primitives import TreeShape
@@ -203,17 +204,8 @@ def test_packed_rows_give_each_conversation_its_own_features(family):
     """Conversations longer than the 8-token windows, packed back to back, give what each gives alone; the
     block-causal mask without the windows would not, for the sliding families."""
     name, target = family
-    records = random_records([13, 5, 11, 9])
-    micro = collate(records, [[0, 1, 2], [3]], pad_id=2)
+    micro = check_packed_rows(target, random_records([13, 5, 11, 9]), [[0, 1, 2], [3]])
     packed = target.forward(micro.input_ids, micro.target_attention_mask(), position_ids=micro.positions)
-    for r, row in enumerate(micro.rows):
-        at = 0
-        for index in row:
-            ids = torch.tensor([records[index].input_ids])
-            alone, span = target.forward(ids), slice(at, at + ids.shape[1])
-            torch.testing.assert_close(packed.aux_hidden[r, span], alone.aux_hidden[0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(packed.logits[r, span], alone.logits[0], rtol=1e-5, atol=1e-5)
-            at = span.stop
     windowless = target.model(
         micro.input_ids,
         attention_mask=target._attention_form(block_causal_mask(micro.positions)),

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import write_counting_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
 HOWTO = ROOT / "docs" / "how-to-8b.md"
@@ -43,17 +44,7 @@ def test_every_command_of_the_8b_how_to_runs(tiny_llama_dir, tmp_path):
     text = HOWTO.read_text()
     (config,) = [block for block in blocks(text, "yaml") if block.startswith("# llama8b.yaml")]
     (tmp_path / "llama8b.yaml").write_text(config.replace(TARGET, str(tiny_llama_dir)))
-    rows = [
-        {
-            "id": f"c{i}",
-            "conversations": [
-                {"role": "user", "content": f"Count from {i} to {i + 5}, please."},
-                {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 6)) + ". Done!"},
-            ],
-        }
-        for i in range(12)
-    ]
-    (tmp_path / "regen.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_counting_conversations(tmp_path / "regen.jsonl")
 
     ran = []
     for script in blocks(text, "bash"):

@@ -54,7 +54,6 @@ def test_a_packed_row_gives_each_conversation_its_own_features(tiny, tiny_llama_
     2e-7 measured, 1e-5 asserted; with the padding mask, which hides the boundaries, 0.47)."""
     from transformers import AutoModelForCausalLM
 
-    from wingspan.data.batching import collate
     from wingspan.data.template import TokenizedConversation
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation=attention)
@@ -63,7 +62,15 @@ def test_a_packed_row_gives_each_conversation_its_own_features(tiny, tiny_llama_
     records = [
         TokenizedConversation(torch.randint(3, 1000, (n,), generator=generator).tolist(), [1] * n) for n in (7, 4, 9, 5)
     ]
-    micro = collate(records, [[0, 1, 2], [3]], pad_id=2)
+    check_packed_rows(target, records, [[0, 1, 2], [3]])
+
+
+def check_packed_rows(target: TargetModel, records, rows: list[list[int]]):
+    """Records packed in `rows` (and padded) give the aux features, logits and last hidden states each gives
+    alone; returns the micro-batch."""
+    from wingspan.data.batching import collate
+
+    micro = collate(records, rows, pad_id=2)
     packed = target.forward(micro.input_ids, micro.target_attention_mask(), position_ids=micro.positions)
     packed_last = target.forward(micro.input_ids, micro.target_attention_mask(), True, micro.positions).last_hidden
     for r, row in enumerate(micro.rows):
@@ -76,6 +83,7 @@ def test_a_packed_row_gives_each_conversation_its_own_features(tiny, tiny_llama_
             last = target.forward(ids, return_last_hidden=True).last_hidden[0]
             torch.testing.assert_close(packed_last[r, span], last, rtol=1e-5, atol=1e-5)
             at = span.stop
+    return micro
 
 
 def test_hooks_are_removed_after_forward(tiny):

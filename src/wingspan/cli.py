@@ -40,16 +40,17 @@ DeviceOption = Annotated[
 ]
 
 
-def template_variables(text: str) -> dict:
+def template_options(chat_template: str | None, variables: str) -> dict:
+    """The chat-template arguments of the model loaders, from --chat-template and --chat-template-kwargs."""
     import json
 
     try:
-        value = json.loads(text)
+        value = json.loads(variables)
     except json.JSONDecodeError as error:
-        raise typer.BadParameter(f"{text!r}: not JSON ({error})", param_hint="--chat-template-kwargs") from None
+        raise typer.BadParameter(f"{variables!r}: not JSON ({error})", param_hint="--chat-template-kwargs") from None
     if not isinstance(value, dict):
-        raise typer.BadParameter(f"{text!r}: expected a JSON object", param_hint="--chat-template-kwargs")
-    return value
+        raise typer.BadParameter(f"{variables!r}: expected a JSON object", param_hint="--chat-template-kwargs")
+    return {"chat_template": chat_template, "chat_template_kwargs": value}
 
 
 TemplateOption = Annotated[
@@ -109,11 +110,7 @@ def data_synth(
     from wingspan.models.target import TargetModel
 
     model = TargetModel.load(
-        target,
-        dtype=dtype,
-        device=device,
-        chat_template=chat_template,
-        chat_template_kwargs=template_variables(chat_template_kwargs),
+        target, dtype=dtype, device=device, **template_options(chat_template, chat_template_kwargs)
     )
     synthesize(
         model,
@@ -174,11 +171,7 @@ def data_regenerate(
         from wingspan.models.target import TargetModel
 
         target_model = TargetModel.load(
-            target,
-            dtype=dtype,
-            device=device,
-            chat_template=chat_template,
-            chat_template_kwargs=template_variables(chat_template_kwargs),
+            target, dtype=dtype, device=device, **template_options(chat_template, chat_template_kwargs)
         )
         regenerate(
             target_model,
@@ -206,7 +199,7 @@ def vocab(
     from wingspan.models.target import TargetVocabulary
     from wingspan.pipeline import build_vocab, tokenized_dataset
 
-    text = TargetVocabulary.load(target, chat_template, template_variables(chat_template_kwargs))
+    text = TargetVocabulary.load(target, **template_options(chat_template, chat_template_kwargs))
     build_vocab(text, tokenized_dataset([str(p) for p in data], text.tokenizer, max_length), size, out)
 
 
@@ -357,12 +350,7 @@ def evaluate_draft(
     where = resolve_device(device)
     use_cpu_threads(where, threads)
     model, draft_model = load_models(
-        target,
-        draft,
-        dtype,
-        where,
-        chat_template=chat_template,
-        chat_template_kwargs=template_variables(chat_template_kwargs),
+        target, draft, dtype, where, **template_options(chat_template, chat_template_kwargs)
     )
     results = []
     for name, prompts in prompt_sets.items():
