@@ -12,6 +12,7 @@ from wingspan.config import TrainConfig
 from wingspan.data.batching import block_causal_mask
 from wingspan.data.template import TokenizedConversation
 from wingspan.data.vocab import build_draft_vocab
+from wingspan.decode.batched import plain_generate_batch, speculative_generate_batch
 from wingspan.decode.primitives import TreeShape
 from wingspan.decode.speculative import speculative_generate
 from wingspan.errors import ExportError, ModelError
@@ -262,20 +263,20 @@ def test_training_logits_equal_chain_logits(family):
 
 
 def test_speculative_decoding_gives_the_greedy_tokens(family):
-    """Past the 8-token windows too; tree decoding (a ready-made mask) is refused once a window would bite."""
+    """Chains and trees at batch 1, chains at batch 3 (left-padded, uneven lengths), all past the 8-token
+    windows: the ready-made masks of trees and batches apply each layer's window as the model would."""
     name, target = family
     draft = draft_for(target)
-    for prompt in ([5, 17, 300, 41], list(range(100, 111))):
-        expected = target.generate([prompt], 14, stop_ids=[])[0].tokens
+    prompts = [[5, 17, 300, 41], list(range(100, 111)), [9, 8, 7, 6, 5, 4, 3]]
+    expected = [target.generate([prompt], 14, stop_ids=[])[0].tokens for prompt in prompts]
+    tree = TreeShape(depth=3, top_k=2, total_tokens=6)
+    for prompt, tokens in zip(prompts, expected):
         for k in (1, 3):
-            result = speculative_generate(target, draft, prompt, 14, num_draft_tokens=k, stop_ids=[])
-            assert result.tokens == expected, (prompt, k)
-        tree = TreeShape(depth=3, top_k=2, total_tokens=6)
-        if name in SLIDING:
-            with pytest.raises(ModelError, match="sliding window"):
-                speculative_generate(target, draft, prompt, 14, stop_ids=[], tree=tree)
-        else:
-            assert speculative_generate(target, draft, prompt, 14, stop_ids=[], tree=tree).tokens == expected
+            assert speculative_generate(target, draft, prompt, 14, num_draft_tokens=k, stop_ids=[]).tokens == tokens
+        assert speculative_generate(target, draft, prompt, 14, stop_ids=[], tree=tree).tokens == tokens
+    assert [r.tokens for r in plain_generate_batch(target, prompts, 14, stop_ids=[])] == expected
+    batch = speculative_generate_batch(target, draft, prompts, 14, num_draft_tokens=3, stop_ids=[])
+    assert [r.tokens for r in batch] == expected
 
 
 def test_export_round_trip_or_a_clear_refusal(family, tmp_path):

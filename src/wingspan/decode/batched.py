@@ -85,7 +85,10 @@ def _target_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One cached target forward over ids [B, T] (the last T slots of `valid`): (logits [B, T or 1, V],
     aux [B, T, num_aux * H])."""
-    mask = target.model_mask(_attention_mask(valid.to(target.device), ids.shape[1]))
+    valid = valid.to(target.device)
+    # A row's valid slots hold its tokens in order, so a slot's position is the count of valid slots before it.
+    keys = valid.long().cumsum(-1) - 1
+    mask = target.model_mask(_attention_mask(valid, ids.shape[1]), positions, keys)
     with target.capture_aux() as captured:
         out = run_target(target, ids, cache, last_only, position_ids=positions.to(target.device), attention_mask=mask)
     return out.logits, target.aux_features(captured)

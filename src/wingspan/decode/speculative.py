@@ -51,7 +51,8 @@ def _tree_attention(tree: DraftTree, past: int, target: TargetModel) -> dict[str
     mask = torch.ones(rows, past + rows, dtype=torch.bool, device=device)
     mask[:, past:] = tree.ancestry_mask().to(device)
     positions = torch.tensor([[past] + [past + d for d in tree.depths]], device=device)
-    return {"attention_mask": target.model_mask(mask[None, None]), "position_ids": positions}
+    keys = torch.cat([torch.arange(past, device=device)[None], positions], dim=1)
+    return {"attention_mask": target.model_mask(mask[None, None], positions, keys), "position_ids": positions}
 
 
 @torch.no_grad()

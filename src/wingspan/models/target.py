@@ -222,16 +222,20 @@ class TargetModel:
         aux_layer_ids order, [B, T, num_aux * H]."""
         return torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
 
-    def model_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """A bool [B, 1, Q, K] mask (True = may attend) of a decoder's cached forward, as this model's attention
-        takes it. A ready-made mask replaces the model's own, sliding windows included, so it is refused where
-        a window would apply."""
-        if self.sliding_window is not None and mask.shape[-1] > self.sliding_window:
-            raise ModelError(
-                f"{self.name}: {mask.shape[-1]} positions exceed its {self.sliding_window}-token sliding window, "
-                "which tree and batched decoding do not apply; use chain decoding at batch 1 (or shorter replies)"
-            )
-        return self._attention_form(mask)
+    def model_mask(
+        self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A bool [B, 1, Q, K] mask (True = may attend) as this model's attention takes it, given the positions
+        of the queries [B, Q] and keys [B, K]. A ready-made mask replaces the model's own, so the sliding window
+        of the layers that have one is applied here (a key at most window - 1 positions back): families with
+        per-layer types take one mask per type, the others one mask, windowed when all their layers slide."""
+        windowed = mask
+        if self.sliding_window is not None:
+            back = query_positions.to(mask.device)[:, None, :, None] - key_positions.to(mask.device)[:, None, None, :]
+            windowed = mask & (back < self.sliding_window)
+        if getattr(self.config, "layer_types", None) is not None:
+            return {"full_attention": self._attention_form(mask), "sliding_attention": self._attention_form(windowed)}
+        return self._attention_form(windowed)
 
     def _attention_form(self, mask: torch.Tensor) -> torch.Tensor:
         """SDPA takes the bool mask itself, eager attention an additive one (0 / -inf: it adds it to the scores)."""
@@ -242,19 +246,9 @@ class TargetModel:
 
     def packed_attention(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """The attention mask of rows holding several conversations (positions restarting at 0): block-causal,
-        and inside each block the sliding window of the layers that have one. Families with per-layer types
-        take one mask per type; the others one mask, windowed when all their layers slide (Mistral)."""
-        allowed = block_causal_mask(positions.to(self.device))
-        windowed = allowed
-        if self.sliding_window is not None:
-            index = torch.arange(positions.shape[1], device=self.device)
-            windowed = allowed & (index[:, None] - index[None, :] < self.sliding_window)
-        if getattr(self.config, "layer_types", None) is not None:
-            return {
-                "full_attention": self._attention_form(allowed),
-                "sliding_attention": self._attention_form(windowed),
-            }
-        return self._attention_form(windowed)
+        with the sliding windows inside each block (`model_mask`)."""
+        positions = positions.to(self.device)
+        return self.model_mask(block_causal_mask(positions), positions, positions)
 
     @torch.no_grad()  # not inference_mode: the outputs feed the draft's autograd graph
     def forward(

@@ -21,8 +21,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from wingspan.config import TrainConfig, from_dict, read_mapping, save_json, to_dict
 from wingspan.errors import ConfigError
 from wingspan.eval.prompts import EvalPrompt, load_prompt_sets
@@ -189,6 +187,7 @@ def draft_cost(results: list[dict[str, Any]]) -> float | None:
 def run_study(config: StudyConfig, out: Path, threads: int | None = None, device: str | None = None) -> Path:
     """Every stage in order; returns the report's path. Re-running continues where it stopped, on any `device`
     (not part of the study: it changes where the work runs, not what it computes)."""
+    from wingspan.devices import resolve_device, use_cpu_threads
     from wingspan.pipeline import load_target
 
     out.mkdir(parents=True, exist_ok=True)
@@ -199,8 +198,7 @@ def run_study(config: StudyConfig, out: Path, threads: int | None = None, device
     base = config.base_train_config()
     if device is not None:
         base = dataclasses.replace(base, device=device)
-    if threads:
-        torch.set_num_threads(threads)
+    use_cpu_threads(resolve_device(base.device), threads)
     target = load_target(base)
     vocab_path, dump_dir, dump_tokens = prepare_shared(config, out, target)
     print(
