@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from wingspan.config import TrainConfig, apply_overrides, from_dict, read_mapping, to_dict
-from wingspan.devices import device_name
+from wingspan.devices import DEVICE_HELP, device_name
 from wingspan.dtypes import dtype_name
 from wingspan.errors import ConfigError, WingspanError
 
@@ -34,7 +34,7 @@ DtypeOption = Annotated[
 DeviceOption = Annotated[
     str,
     typer.Option(
-        help="Where the models run: auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N.",
+        help=f"Where the models run: {DEVICE_HELP}.",
         parser=device_name,
     ),
 ]

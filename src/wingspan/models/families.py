@@ -2,7 +2,8 @@
 
 A target's family is its config's `model_type`. The table says how its final norm scales (Gemma's
 `x * (1 + w)` against Llama's `x * w`) and whether vLLM serves EAGLE-3 drafts for it; the config itself says
-the rest (sliding windows, RoPE scaling, logit soft-capping), read here once. Multimodal wrappers are refused;
+the rest (sliding windows, RoPE scaling), read here once; logit soft-capping is found by the dump, which
+refuses it, by comparing the logits with lm_head(last hidden state). Multimodal wrappers are refused;
 a model type outside the table runs with the Llama conventions after a warning, since that is what most
 decoder-only models follow, but only the families below are tested (tests/test_families.py).
 """
@@ -80,8 +81,3 @@ def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
     if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
         return theta, None
     return theta, dict(scaling)
-
-
-def logit_softcap(config: Any) -> float | None:
-    """The target's final-logit soft-capping (Gemma2-style `cap * tanh(logits / cap)`), None without."""
-    return getattr(config, "final_logit_softcapping", None)
