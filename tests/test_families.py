@@ -16,7 +16,8 @@ from wingspan.decode.batched import plain_generate_batch, speculative_generate_b
 from wingspan.decode.primitives import TreeShape
 from wingspan.decode.speculative import speculative_generate
 from wingspan.errors import ExportError, ModelError
-from wingspan.export.vllm import draft_logits, export_vllm, load_vllm_export
+from wingspan.export import ExportSettings, export_draft, read_export
+from wingspan.export.core import draft_logits
 from wingspan.models.draft import new_kv_caches
 from wingspan.models.families import FAMILIES, LLAMA_CONVENTIONS, family_of
 from wingspan.models.target import TargetModel
@@ -282,12 +283,12 @@ def test_speculative_decoding_gives_the_greedy_tokens(family):
 def test_export_round_trip_or_a_clear_refusal(family, tmp_path):
     name, target = family
     draft = draft_for(target)
-    if not FAMILIES[target.config.model_type].vllm_eagle3:
+    if "vllm" not in FAMILIES[target.config.model_type].engines:
         with pytest.raises(ExportError, match="serves no EAGLE-3 draft"):
-            export_vllm(draft, tmp_path / "vllm")
+            export_draft(draft, tmp_path / "vllm")
         return
-    out = export_vllm(draft, tmp_path / "vllm", dtype="float32")
-    loaded = load_vllm_export(out, draft.embed_tokens.weight)
+    out = export_draft(draft, tmp_path / "vllm", "vllm", ExportSettings(dtype="float32"))
+    loaded = read_export(out, draft.embed_tokens.weight)
     assert loaded.config == draft.config
     torch.testing.assert_close(draft_logits(loaded, length=20), draft_logits(draft, length=20), rtol=0, atol=0)
 

@@ -18,7 +18,7 @@ from wingspan.data.template import chat_prompt, tokenize_conversations
 from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.eval.referee import run_vllm_referee
 from wingspan.eval.runner import load_models
-from wingspan.export.vllm import export_vllm
+from wingspan.export import ExportSettings, export_draft
 from wingspan.models.draft import Eagle3Draft
 from wingspan.models.registry import EMBEDDED, resolve_target
 from wingspan.models.target import TargetVocabulary
@@ -92,7 +92,8 @@ def qwen_export(conversations, tmp_path_factory) -> Path:
     config = short_run(QWEN, conversations, out / "run")
     target = load_target(config)
     draft_dir = run_training(config, target=target)
-    return export_vllm(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), out / "vllm", dtype="float32")
+    draft = Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight())
+    return export_draft(draft, out / "vllm", "vllm", ExportSettings(dtype="float32"))
 
 
 def masked_texts(tokenizer, record) -> list[str]:
@@ -116,7 +117,7 @@ def test_the_loss_mask_under_the_shipped_tokenizers(conversations):
 @installed(QWEN)
 def test_qwen_draft_decodes_the_greedy_tokens(qwen_export):
     target, draft = load_models(QWEN, qwen_export, "float32", "cpu")
-    assert target.family.name == "Qwen2" and draft.config.target_model_type == "qwen2"
+    assert target.family.name == "Qwen2" and draft.config.target.model_type == "qwen2"
     accepted = 0
     for question in ("Write a Python function `power(a, b)`.", "What does `len([1, 2])` return?"):
         prompt = chat_prompt(target.tokenizer, [{"role": "user", "content": question}])
@@ -167,7 +168,7 @@ def test_gemma_without_a_template_is_one_clear_error(conversations, tmp_path):
 @installed(GEMMA)
 def test_gemma_trains_evaluates_and_refuses_a_vllm_export(gemma_draft, tmp_path):
     config = json.loads((gemma_draft / "draft_config.json").read_text())
-    assert config["target_model_type"] == "gemma3_text" and config["rope_theta"] == 1_000_000.0
+    assert config["target"]["model_type"] == "gemma3_text" and config["rope_theta"] == 1_000_000.0
     out = tmp_path / "eval"
     result = wingspan(
         "eval",

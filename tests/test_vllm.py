@@ -8,7 +8,7 @@ from conftest import NEEDS_VLLM, VLLM_PYTHON
 
 from wingspan.eval.referee import agreement, run_vllm_referee
 from wingspan.eval.runner import load_models
-from wingspan.export.vllm import load_vllm_export
+from wingspan.export import read_export
 from wingspan.models.draft import Eagle3Draft
 from wingspan.train.ttt import unroll
 
@@ -93,7 +93,7 @@ def test_vllm_serves_the_exported_draft(default_target_dir, target, trained_draf
     assert result["outputs_differ"] == 0, f"first differing prompt: {result['first_differing_prompt']}"
     # The strong check: vLLM accepts the tokens our own draft would have proposed. Exact in every run so
     # far; the slack allows a rare fp32 near-tie that HF's and vLLM's kernels break differently.
-    draft = load_vllm_export(trained_draft_dir, target.model.embed_tokens.weight)
+    draft = read_export(trained_draft_dir, target.model.embed_tokens.weight)
     expected = expected_counters(target, draft, result["prompt_token_ids"], result["spec"]["token_ids"], k=3)
     per_position = [round(rate * result["drafts"]) for rate in result["acceptance_rate_per_position"]]
     got = {"drafts": result["drafts"], "accepted_tokens": result["accepted_tokens"], "per_position": per_position}

@@ -363,22 +363,34 @@ def evaluate_draft(
 
 @app.command("export")
 def export(
-    draft: Annotated[Path, typer.Argument(help="A draft directory (run/draft or a checkpoint).")],
-    out: Annotated[Path, typer.Option(help="Output directory.")],
-    format: Annotated[str, typer.Option(help="Serving layout.")] = "vllm",
+    draft: Annotated[
+        Path, typer.Argument(help="A draft directory (run/draft, a checkpoint) or an export of any format (converted).")
+    ],
+    out: Annotated[Path, typer.Option(help="Output directory (replaced when it holds an earlier export).")],
+    format: Annotated[
+        str, typer.Option(help="Serving layout: vllm, speculators (vLLM, speculators) or sglang (SGLang, SpecForge).")
+    ] = "vllm",
     target: Annotated[
-        str | None, typer.Option(help="Target for the embeddings used in verification (default: the run's).")
+        str | None,
+        typer.Option(
+            help="The target as the serving machine names it (a hub id or a path), written into the export where the "
+            "format names its target (speculators' verifier); default: the target the draft was trained on."
+        ),
     ] = None,
+    dtype: Annotated[
+        str, typer.Option(help="Weights dtype: bfloat16 (bf16), float32 (fp32) or float16 (fp16).", parser=dtype_name)
+    ] = "bfloat16",
+    num_speculative_tokens: Annotated[
+        int, typer.Option(min=1, help="Draft tokens per step a speculators config proposes (vLLM's default there).")
+    ] = 3,
 ) -> None:
-    """Export a draft for a serving engine and verify it by loading it back."""
-    from wingspan.export.vllm import export_vllm
+    """Export a draft for a serving engine, verified by reading it back (docs/formats.md has each engine's serve
+    command)."""
+    from wingspan.export import ExportSettings, export_draft, format_named, load_any_draft
 
-    if format != "vllm":
-        raise typer.BadParameter(f"format {format!r}: supported: vllm", param_hint="--format")
-    from wingspan.models.draft import Eagle3Draft
-
-    model = Eagle3Draft.load(draft)
-    typer.echo(export_vllm(model, out))
+    format_named(format)
+    settings = ExportSettings(dtype=dtype, verifier=target, speculative_tokens=num_speculative_tokens)
+    typer.echo(export_draft(load_any_draft(draft), out, format, settings))
 
 
 def parse_ints(text: str, option: str) -> list[int]:

@@ -159,6 +159,19 @@ SCALED_ROPE_TYPES = ("linear", "llama3", "yarn")
 
 
 @dataclass
+class TargetIdentity:
+    """The target a draft was trained for, as the draft directory records it: what an export's verifier fields
+    and the engine checks need (its vocab and hidden sizes and aux ids are the DraftConfig's own fields)."""
+
+    name_or_path: str  # as the run named it: an embedded name, a checkpoint directory or a hub id
+    # the rest is None (or empty) for a draft imported from a layout that does not record it
+    model_type: str | None = None  # config.model_type: its family
+    architectures: list[str] = field(default_factory=list)  # config.architectures, e.g. ["LlamaForCausalLM"]
+    num_hidden_layers: int | None = None
+    dtype: DtypeName | None = None  # the dtype its features were computed in
+
+
+@dataclass
 class DraftConfig:
     """The draft architecture. Llama fields follow transformers' LlamaConfig names (and vLLM's export)."""
 
@@ -180,7 +193,7 @@ class DraftConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 8192
     hidden_act: Literal["silu"] = "silu"
-    target_model_type: str | None = None  # the target's config.model_type (what its family allows on export)
+    target: TargetIdentity | None = None  # None: a draft imported without knowing its target
 
     def __post_init__(self) -> None:
         if self.num_hidden_layers < 1:

@@ -37,7 +37,7 @@ SYNTH = dict(num_conversations=360, batch_size=32, max_new_tokens=256)
 def run_quickstart(out: Path, device: str = "auto") -> Path:
     from wingspan.data.synth import synthesize
     from wingspan.data.vocab import DraftVocab
-    from wingspan.export.vllm import export_vllm
+    from wingspan.export import export_draft
     from wingspan.models.draft import Eagle3Draft
     from wingspan.models.registry import resolve_target
     from wingspan.pipeline import load_target, run_training
@@ -67,7 +67,7 @@ def run_quickstart(out: Path, device: str = "auto") -> Path:
 
     print("[4/4] export for vLLM")
     export_dir = out / "vllm-draft"
-    export_vllm(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), export_dir)
+    export_draft(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), export_dir, "vllm")
 
     vocab_path = Path(config.output_dir) / "vocab.safetensors"
     vocab = DraftVocab.load(vocab_path)

@@ -23,7 +23,6 @@ Metrics (docs/evaluation.md has the full story):
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.errors import ConfigError
 from wingspan.eval.metrics import acceptance_length, acceptance_per_position
 from wingspan.eval.prompts import EvalPrompt
-from wingspan.export.vllm import ARCHITECTURE, draft_config_from_vllm, is_vllm_export, load_vllm_export
+from wingspan.export import FORMATS, detect_format, export_config, read_export
 from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
 
@@ -316,17 +315,15 @@ def load_models(
     chat_template_kwargs: dict | None = None,
 ) -> tuple[TargetModel, Eagle3Draft]:
     """The target, capturing the aux layers the draft was trained on, and the draft (a wingspan draft directory
-    or a vLLM export) on the target's device and in its dtype, as a serving engine runs it."""
+    or an export of any format) on the target's device and in its dtype, as a serving engine runs it."""
     directory = Path(draft)
-    if is_vllm_export(directory):
-        config_path = directory / "config.json"
-        config = draft_config_from_vllm(json.loads(config_path.read_text()), str(config_path))
+    if detect_format(directory) is not None:
+        config = export_config(directory)
     elif (directory / "draft_config.json").is_file():
         config = load(DraftConfig, directory / "draft_config.json")
     else:
         raise FileNotFoundError(
-            f"{directory}: neither a wingspan draft (draft_config.json) "
-            f"nor a vLLM export (config.json of {ARCHITECTURE})"
+            f"{directory}: neither a wingspan draft (draft_config.json) nor an export ({', '.join(FORMATS)})"
         )
     model = TargetModel.load(
         target,
@@ -345,11 +342,11 @@ def load_models(
 
 
 def load_draft(directory: Path, target: TargetModel) -> Eagle3Draft:
-    """A wingspan draft directory or a vLLM export, with `target`'s embeddings, on its device and in its dtype."""
+    """A wingspan draft directory or an export, with `target`'s embeddings, on its device and in its dtype."""
     embed = target.embed_weight()
     loaded = (
-        load_vllm_export(directory, embed)
-        if is_vllm_export(directory)
+        read_export(directory, embed)
+        if detect_format(directory) is not None
         else Eagle3Draft.load(directory, embed_weight=embed)
     )
     return loaded.to(target.device, target.dtype).eval()

