@@ -1,4 +1,4 @@
-"""The `wingspan` command: models, data, vocab, dump, train, eval, export, study, quickstart."""
+"""The `wingspan` command: models, data, vocab, dump, train, eval, export, import, study, quickstart."""
 
 from __future__ import annotations
 
@@ -391,6 +391,40 @@ def export(
     format_named(format)
     settings = ExportSettings(dtype=dtype, verifier=target, speculative_tokens=num_speculative_tokens)
     typer.echo(export_draft(load_any_draft(draft), out, format, settings))
+
+
+@app.command("import")
+def import_checkpoint(
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="An EAGLE-3 checkpoint directory: SpecForge (midlayer.*, or fuse_layer.*/additional_layers.*), the "
+            "EAGLE repository's, speculators', vLLM's or SGLang's layout (model.safetensors or pytorch_model.bin)."
+        ),
+    ],
+    out: Annotated[Path, typer.Option(help="The wingspan draft directory to write (new or empty).")],
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="The draft's target (embedded name, directory or hub id): recorded, and its layer count "
+            "gives the engines' default aux layers when the checkpoint names none."
+        ),
+    ] = None,
+    aux_layer_ids: Annotated[
+        str | None,
+        typer.Option(
+            help="Aux layers in our convention (id k = the input of target layer k), e.g. 2,15,27: for a "
+            "checkpoint that names none, or to replace what it names."
+        ),
+    ] = None,
+) -> None:
+    """Read another tool's EAGLE-3 draft strictly into a wingspan draft directory, for `wingspan eval`, `wingspan
+    export` and training (`init_from=DIR`). See docs/formats.md."""
+    from wingspan.export.importers import import_draft
+
+    ids = parse_ints(aux_layer_ids, "--aux-layer-ids") if aux_layer_ids else None
+    layout, written = import_draft(source, out, ids, target)
+    typer.echo(f"read {source} as the {layout} layout; draft: {written}")
 
 
 def parse_ints(text: str, option: str) -> list[int]:

@@ -85,13 +85,16 @@ def read_tensors(state: dict[str, torch.Tensor], config: DraftConfig, where: str
             raise ExportError(f"{where}: {name}: layer 0 is named midlayer.* in this layout, not layers.0.*")
         else:
             ours[name] = tensor
-    for layer, norms in sorted(later_norms.items()):
+    for layer in range(1, config.num_hidden_layers):
+        norms = later_norms.pop(layer, {})
         if "hidden_norm" not in norms:
             raise ExportError(
                 f"{where}: layers.{layer}.hidden_norm.weight is missing: SGLang normalises layer {layer}'s input "
                 "with it (and never reads its input_layernorm)"
             )
         ours[f"layers.{layer}.input_layernorm.weight"] = norms["hidden_norm"]
+    for layer, norms in later_norms.items():  # beyond the config's depth: strict_draft names them
+        ours |= {f"layers.{layer}.{kind}.weight": tensor for kind, tensor in norms.items()}
     return ours
 
 

@@ -95,7 +95,7 @@ def read_tensors(state: dict[str, torch.Tensor], config: DraftConfig, where: str
 
 
 def recognises(data: dict, names: set[str]) -> bool:
-    return data.get("architectures") == [ARCHITECTURE] and not any(n.startswith("midlayer.") for n in names)
+    return data.get("architectures") == [ARCHITECTURE] and any(n.startswith("layers.0.") for n in names)
 
 
 FORMAT = Format(
