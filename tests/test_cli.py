@@ -26,6 +26,8 @@ def test_every_command_has_help():
         ["train", "--help"],
         ["dump", "--help"],
         ["export", "--help"],
+        ["import", "--help"],
+        ["eval", "--help"],
         ["vocab", "--help"],
         ["quickstart", "--help"],
         ["models", "list", "--help"],

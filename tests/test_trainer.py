@@ -143,3 +143,27 @@ def test_refuses_to_overwrite_a_run_without_resume(tiny_target, tmp_path):
     train(config(tmp_path, max_steps=4), tiny_target, sequences(4, 20), d2t, t2d)
     with pytest.raises(FileExistsError, match="--resume"):
         train(config(tmp_path, max_steps=4), tiny_target, sequences(4, 20), d2t, t2d)
+
+
+def test_training_starts_from_an_imported_draft(tiny_target, tmp_path):
+    """init_from: a draft exported for SGLang and imported back starts a new run where the first one ended
+    (its first loss is the first run's last, far below a fresh start's), with a fresh optimizer."""
+    from wingspan.export import export_draft
+    from wingspan.export.importers import import_draft
+    from wingspan.models.draft import Eagle3Draft
+
+    d2t, t2d = identity_vocab()
+    data = sequences(4, 24)
+    first = train(config(tmp_path / "a", max_steps=60, log_every=1), tiny_target, data, d2t, t2d)
+    export_draft(Eagle3Draft.load(first), tmp_path / "sglang", "sglang")
+    _, imported = import_draft(tmp_path / "sglang", tmp_path / "imported")
+    train(config(tmp_path / "b", max_steps=2, log_every=1, init_from=str(imported)), tiny_target, data, d2t, t2d)
+    train(config(tmp_path / "c", max_steps=2, log_every=1), tiny_target, data, d2t, t2d)
+
+    def losses(run):
+        return [json.loads(line)["loss_0"] for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+
+    ended, started, fresh_start = losses(tmp_path / "a")[-1], losses(tmp_path / "b")[0], losses(tmp_path / "c")[0]
+    assert started == pytest.approx(ended, rel=0.1) and started < 0.8 * fresh_start  # bf16 export: not exact
+    with pytest.raises(ConfigError, match="num_hidden_layers: the draft has 2, the run 1"):
+        train(config(tmp_path / "d", num_hidden_layers=1, init_from=str(imported)), tiny_target, data, d2t, t2d)

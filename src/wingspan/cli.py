@@ -281,7 +281,9 @@ def parse_tree(text: str) -> tuple[int, int, int]:
 
 @app.command("eval")
 def evaluate_draft(
-    draft: Annotated[Path, typer.Option(help="A draft directory (run/draft, a checkpoint) or a vLLM export.")],
+    draft: Annotated[
+        Path, typer.Option(help="A draft directory (run/draft, a checkpoint, an import) or an export of any format.")
+    ],
     out: Annotated[Path, typer.Option(help="Output directory: results.json, results.md, acceptance.png.")],
     sets: Annotated[
         str,

@@ -235,6 +235,9 @@ class TrainConfig:
     embed_injection: Literal["first", "all"] = "first"
     draft_vocab_size: int = 16384
     init_from_target: bool = True  # fc passes the last aux layer through; norm, lm_head from the target
+    # a wingspan draft directory (a run's draft, a checkpoint, `wingspan import`'s output) whose weights and
+    # vocab the training starts from, with a fresh optimizer; its shape must be the run's
+    init_from: str | None = None
     # data
     max_length: int = 1024
     batch_tokens: int = 2048  # token budget of one micro-batch
@@ -290,5 +293,7 @@ class TrainConfig:
             raise ConfigError(f"grad_accum: must be >= 1, got {self.grad_accum}")
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if self.init_from and self.vocab:
+            raise ConfigError("init_from and vocab: a draft to start from brings its own vocab; set one of them")
         if len(self.betas) != 2:
             raise ConfigError(f"betas: expected two numbers, got {self.betas}")

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wingspan.config import TrainConfig
+import torch
+
+from wingspan.config import DraftConfig, TrainConfig
 from wingspan.data.conversations import read_conversations
 from wingspan.data.template import TokenizedConversation, tokenize_conversations
 from wingspan.data.vocab import DraftVocab, build_draft_vocab
 from wingspan.devices import resolve_device, use_cpu_threads
-from wingspan.errors import DataError
+from wingspan.errors import ConfigError, DataError
 from wingspan.models.target import TargetModel, TargetVocabulary
 from wingspan.train.distributed import current_world, print0
 
@@ -22,10 +24,13 @@ def load_target(config: TrainConfig) -> TargetModel:
     """The run's target on the config's device (under torchrun, each rank's own GPU); the draft trains next to it."""
     device = resolve_device(config.device)
     use_cpu_threads(device, config.num_threads)
+    aux_layer_ids = config.aux_layer_ids
+    if aux_layer_ids is None and config.init_from:  # the layers the starting draft was trained on
+        aux_layer_ids = starting_draft(config.init_from)[0].aux_layer_ids
     return TargetModel.load(
         config.target,
         dtype=config.target_dtype,
-        aux_layer_ids=config.aux_layer_ids,
+        aux_layer_ids=aux_layer_ids,
         device=device,
         chat_template=config.chat_template,
         chat_template_kwargs=config.chat_template_kwargs,
@@ -52,7 +57,11 @@ def tokenized_dataset(
 
 
 def draft_vocab(config: TrainConfig, target: TargetModel, records: list[TokenizedConversation]) -> DraftVocab:
-    """The vocab file named in the config, or one built from the assistant tokens of the training data."""
+    """The vocab file named in the config, the vocab of the draft training starts from (`init_from`), or one
+    built from the assistant tokens of the training data."""
+    if config.init_from:
+        state = starting_draft(config.init_from)[1]
+        return DraftVocab(state["d2t"], state["t2d"], coverage=float("nan"))
     if config.vocab:
         vocab = DraftVocab.load(config.vocab)
         if vocab.target_vocab_size != target.vocab_size:
@@ -62,6 +71,19 @@ def draft_vocab(config: TrainConfig, target: TargetModel, records: list[Tokenize
             )
         return vocab
     return build_vocab(target, records, config.draft_vocab_size, Path(config.output_dir) / "vocab.safetensors")
+
+
+def starting_draft(directory: str) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """The config and weights of an `init_from` draft directory."""
+    from safetensors.torch import load_file
+
+    from wingspan.config import load
+    from wingspan.models.draft import CONFIG, WEIGHTS
+
+    path = Path(directory)
+    if not (path / CONFIG).is_file():
+        raise ConfigError(f"init_from: {path} is not a wingspan draft directory (no {CONFIG}; `wingspan import` one)")
+    return load(DraftConfig, path / CONFIG), load_file(str(path / WEIGHTS))
 
 
 def build_vocab(

@@ -105,6 +105,19 @@ def build_draft(target, config: TrainConfig, d2t: torch.Tensor, t2d: torch.Tenso
     return draft
 
 
+def start_from(draft: Eagle3Draft, directory: str) -> None:
+    """Load an `init_from` draft's weights into the run's new draft, whose shape must be the same."""
+    from wingspan.pipeline import starting_draft
+
+    config, weights = starting_draft(directory)
+    ours = dataclasses.asdict(draft.config) | {"target": None}
+    theirs = dataclasses.asdict(config) | {"target": None}
+    differ = [f"{k}: the draft has {theirs[k]}, the run {ours[k]}" for k in ours if ours[k] != theirs[k]]
+    if differ:
+        raise ConfigError(f"init_from {directory}: not the run's draft shape ({'; '.join(differ)})")
+    draft.load_trainable_state({k: v.to(draft.fc.weight.device) for k, v in weights.items()}, source=directory)
+
+
 class MetricLog:
     """Per-step sums over a logging window -> loss_j, acc_j, simulated acceptance length, gradient norm.
 
@@ -198,6 +211,8 @@ def prepare_draft(
     draft = build_draft(target, config, d2t, t2d).to(device)
     if checkpoint:
         draft.load_trainable_state(checkpoint.weights, source=str(checkpoint.path))
+    elif config.init_from:
+        start_from(draft, config.init_from)
     step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
     model = parallelize(TTTLoss(draft, config.ttt_steps, step_weights), draft, config.parallel, world, device)
     trainable = [p for p in draft.parameters() if p.requires_grad]
