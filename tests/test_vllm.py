@@ -102,6 +102,26 @@ def test_vllm_serves_the_exported_draft(default_target_dir, target, trained_draf
     assert result["accepted_tokens"] > 0
 
 
+def test_vllm_serves_the_speculators_export(default_target_dir, trained_draft_dir, tmp_path):
+    """The speculators format of the same draft: vLLM takes it as an EAGLE-3 draft and greedy output with it
+    equals greedy output without it (float32), with tokens accepted."""
+    from wingspan.export import ExportSettings, export_draft, load_any_draft
+
+    settings = ExportSettings(dtype="float32", verifier=default_target_dir)
+    exported = export_draft(load_any_draft(trained_draft_dir), tmp_path / "speculators", "speculators", settings)
+    result = referee(
+        default_target_dir,
+        exported,
+        tmp_path / "referee.json",
+        num_prompts=8,
+        max_tokens=64,
+        dtype="float32",
+        timeout=900,
+    )
+    assert result["drafts"] > 0 and result["accepted_tokens"] > 0
+    assert result["outputs_differ"] == 0, f"first differing prompt: {result['first_differing_prompt']}"
+
+
 def test_quickstart_draft_speeds_up_mt_bench(mt_bench_bf16):
     """The main job's promise: served by vLLM with 3 speculative tokens, greedy, in the training dtype
     (bf16), the quickstart draft reaches acceptance length >= 1.3 on MT-bench first turns."""
