@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import write_counting_conversations
+from safetensors.torch import load_file
 
 
 def wingspan(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -78,6 +80,16 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
     vllm_config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert vllm_config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert vllm_config["num_hidden_layers"] == 2 and vllm_config["draft_vocab_size"] == 64
+
+    # an import of that export starts a new run: its vocab and aux layers are the draft's, not rebuilt
+    imported = wingspan("import", str(tmp_path / "vllm"), "--out", str(tmp_path / "imported"))
+    assert imported.returncode == 0 and "as the vllm layout" in imported.stdout, imported.stderr[-3000:]
+    start = [o for o in overrides if not o.startswith(("output_dir=", "draft_vocab_size="))]
+    started = wingspan("train", *start, f"output_dir={tmp_path / 'next'}", f"init_from={tmp_path / 'imported'}")
+    assert started.returncode == 0, started.stderr[-3000:]
+    final = load_file(str(tmp_path / "next" / "draft" / "model.safetensors"))
+    assert torch.equal(final["d2t"], load_file(str(run / "draft" / "model.safetensors"))["d2t"])
+    assert json.loads((tmp_path / "next" / "draft" / "draft_config.json").read_text())["aux_layer_ids"] == [2, 2, 1]
 
 
 def test_dump_then_train_from_it(tiny_llama_dir, tmp_path):

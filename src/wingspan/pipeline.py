@@ -26,7 +26,7 @@ def load_target(config: TrainConfig) -> TargetModel:
     use_cpu_threads(device, config.num_threads)
     aux_layer_ids = config.aux_layer_ids
     if aux_layer_ids is None and config.init_from:  # the layers the starting draft was trained on
-        aux_layer_ids = starting_draft(config.init_from)[0].aux_layer_ids
+        aux_layer_ids = starting_draft(config.init_from, names=())[0].aux_layer_ids
     return TargetModel.load(
         config.target,
         dtype=config.target_dtype,
@@ -60,7 +60,7 @@ def draft_vocab(config: TrainConfig, target: TargetModel, records: list[Tokenize
     """The vocab file named in the config, the vocab of the draft training starts from (`init_from`), or one
     built from the assistant tokens of the training data."""
     if config.init_from:
-        state = starting_draft(config.init_from)[1]
+        state = starting_draft(config.init_from, names=("d2t", "t2d"))[1]
         return DraftVocab(state["d2t"], state["t2d"], coverage=float("nan"))
     if config.vocab:
         vocab = DraftVocab.load(config.vocab)
@@ -73,9 +73,9 @@ def draft_vocab(config: TrainConfig, target: TargetModel, records: list[Tokenize
     return build_vocab(target, records, config.draft_vocab_size, Path(config.output_dir) / "vocab.safetensors")
 
 
-def starting_draft(directory: str) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    """The config and weights of an `init_from` draft directory."""
-    from safetensors.torch import load_file
+def starting_draft(directory: str, names: tuple[str, ...] | None = None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """The config and weights (only `names`, when given: () reads none) of an `init_from` draft directory."""
+    from safetensors import safe_open
 
     from wingspan.config import load
     from wingspan.models.draft import CONFIG, WEIGHTS
@@ -83,7 +83,9 @@ def starting_draft(directory: str) -> tuple[DraftConfig, dict[str, torch.Tensor]
     path = Path(directory)
     if not (path / CONFIG).is_file():
         raise ConfigError(f"init_from: {path} is not a wingspan draft directory (no {CONFIG}; `wingspan import` one)")
-    return load(DraftConfig, path / CONFIG), load_file(str(path / WEIGHTS))
+    config = load(DraftConfig, path / CONFIG)
+    with safe_open(str(path / WEIGHTS), "pt") as weights:
+        return config, {name: weights.get_tensor(name) for name in (weights.keys() if names is None else names)}
 
 
 def build_vocab(
