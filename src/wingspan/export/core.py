@@ -301,7 +301,7 @@ def write_export(fmt: Format, draft: Eagle3Draft, out_dir: Path, settings: Expor
     """Check, write, verify, then move into place. An existing `out_dir` is replaced only when `replaceable`
     (it holds an earlier export, or nothing)."""
     fmt.check(draft)
-    if not torch.isfinite(torch.cat([p.detach().float().flatten() for p in draft.parameters()])).all():
+    if not all(bool(torch.isfinite(p.detach()).all()) for p in draft.parameters()):  # no fp32 copy of them all
         raise ExportError("the draft has non-finite weights (NaN or inf); refusing to export it")
     if out_dir.exists() and any(out_dir.iterdir()) and not replaceable:
         raise ExportError(f"{out_dir}: exists and is not a draft export; refusing to replace it")
