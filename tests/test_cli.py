@@ -142,7 +142,9 @@ def test_dump_then_train_from_it(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("lr=fast", "lr: expected a number, got 'fast'"),
+        ("lr=fast", "lr: expected a finite number, got 'fast'"),
+        ("grad_clip=-1", "grad_clip: must be > 0, got -1.0"),
+        ("lr=inf", "lr: expected a finite number, got inf"),
         ("num_hidden_layers=0", "num_hidden_layers: must be >= 1"),
         ("embed_injection=middle", "embed_injection: 'middle' is not one of ['first', 'all']"),
         ("learning_rate=1e-3", "unknown field(s) ['learning_rate']"),
@@ -180,7 +182,7 @@ def test_draft_and_export_errors_are_one_line(tmp_path):
     cases = [
         (tmp_path / "all", "embed_injection='all'"),
         (tmp_path / "incomplete", "draft weights do not match the config: missing ['fc.weight']"),
-        (tmp_path / "missing", "draft_config.json"),
+        (tmp_path / "missing", "missing: no such directory"),
     ]
     for draft, message in cases:
         result = wingspan("export", str(draft), "--out", str(tmp_path / "out"))

@@ -14,7 +14,7 @@ from test_speculative import FAVOURED, make_draft
 from wingspan.config import load, save_json
 from wingspan.data.template import chat_prompt
 from wingspan.decode.primitives import SpecResult
-from wingspan.errors import ConfigError
+from wingspan.errors import ConfigError, ExportError
 from wingspan.eval import runner
 from wingspan.eval.metrics import acceptance_length, acceptance_per_position
 from wingspan.eval.prompts import EvalPrompt
@@ -226,7 +226,7 @@ def test_load_models_reads_a_draft_directory_and_a_vllm_export(tiny_llama_dir, t
         assert torch.equal(loaded.embed_tokens.weight, model.embed_weight())
     model, loaded = load_models(str(tiny_llama_dir), tmp_path / "draft", "bfloat16")
     assert loaded.fc.weight.dtype == torch.bfloat16  # the draft runs in the target's dtype, as vLLM runs it
-    with pytest.raises(FileNotFoundError, match="neither a wingspan draft"):
+    with pytest.raises(ExportError, match="neither a wingspan draft"):
         load_models(str(tiny_llama_dir), tmp_path, "float32")
 
 

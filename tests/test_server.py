@@ -148,7 +148,7 @@ def test_regenerate_through_a_server_resumes_and_matches_the_target(server, defa
     complete = out.read_text()
     lines = complete.splitlines(keepends=True)
     out.write_text("".join(lines[:3]) + lines[3][:20])
-    run = regenerate(source, out, server)
+    run = regenerate(source, out, server, "--resume")
     assert run.returncode == 0, run.stderr[-3000:]
     assert out.read_text() == complete
 

@@ -2,11 +2,12 @@
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
 
-from wingspan.data.conversations import Conversation, Message
+from wingspan.data.conversations import Conversation, Message, settings_path
 from wingspan.data.synth import regenerate, synthesize
 from wingspan.data.template import chat_prompt, user_turn_prefix
 from wingspan.models.target import TargetModel
@@ -67,7 +68,8 @@ def test_synthesize_writes_single_turn_conversations(chatty, tmp_path):
     users = [r["conversations"][0]["content"] for r in rows]
     assert len(set(users)) == 6 and all(len(u) >= 10 and u == u.strip() for u in users)
     assert all(r["conversations"][1]["content"] for r in rows)
-    assert synthesize(chatty, 6, out, **SYNTH) == 6 and records(out) == rows  # finished: nothing to do
+    finished = synthesize(chatty, 6, out, **SYNTH, resume=True)
+    assert finished == 6 and records(out) == rows  # nothing to do
 
 
 def test_synthesize_resumes_to_the_same_file(chatty, tmp_path, monkeypatch):
@@ -80,13 +82,16 @@ def test_synthesize_resumes_to_the_same_file(chatty, tmp_path, monkeypatch):
         with pytest.raises(Interrupted):
             synthesize(chatty, 6, killed, **SYNTH)
     assert 0 < len(records(killed)) < 6
-    synthesize(chatty, 6, killed, **SYNTH)
+    with pytest.raises(FileExistsError, match="--resume"):
+        synthesize(chatty, 6, killed, **SYNTH)
+    synthesize(chatty, 6, killed, **SYNTH, resume=True)
     assert killed.read_bytes() == whole.read_bytes()
 
     cut = tmp_path / "cut.jsonl"  # a write cut off in the middle of a line
     text = whole.read_bytes()
     cut.write_bytes(text[: text.index(b"\n", len(text) // 2) - 5])
-    synthesize(chatty, 6, cut, **SYNTH)
+    shutil.copy(settings_path(whole), settings_path(cut))
+    synthesize(chatty, 6, cut, **SYNTH, resume=True)
     assert cut.read_bytes() == whole.read_bytes()
 
 
@@ -95,8 +100,9 @@ def test_synthesize_refuses_greedy_user_turns_and_other_seeds(chatty, tmp_path):
         synthesize(chatty, 2, tmp_path / "a.jsonl", user_temperature=0.0)
     out = tmp_path / "b.jsonl"
     synthesize(chatty, 2, out, **SYNTH)
-    with pytest.raises(ValueError, match="seed 4"):
-        synthesize(chatty, 4, out, **{**SYNTH, "seed": 4})
+    with pytest.raises(ValueError, match=r"seed: 3 -> 4"):
+        synthesize(chatty, 4, out, **{**SYNTH, "seed": 4}, resume=True)
+    assert synthesize(chatty, 4, out, **SYNTH, resume=True) == 4  # a larger --num extends it
 
 
 def test_user_turn_prefix_is_what_the_template_writes_before_the_content(tiny):
@@ -129,7 +135,7 @@ CONVERSATIONS = [
 
 def test_regenerate_keeps_ids_system_and_user_turns(tiny, tmp_path):
     out = tmp_path / "regen.jsonl"
-    assert regenerate(tiny, CONVERSATIONS, out, max_new_tokens=4, batch_size=2) == 5
+    assert regenerate(tiny, CONVERSATIONS, out, max_new_tokens=4, batch_size=2).written == 5
     rows = {r["id"]: r["conversations"] for r in records(out)}
     assert set(rows) == {c.id for c in CONVERSATIONS}
     for c in CONVERSATIONS:
@@ -158,15 +164,52 @@ def test_regenerate_resumes_to_the_same_file(tiny, tmp_path, monkeypatch):
         with pytest.raises(Interrupted):
             regenerate(tiny, CONVERSATIONS, killed, max_new_tokens=4, batch_size=2)
     assert 0 < len(records(killed)) < 5
-    regenerate(tiny, CONVERSATIONS, killed, max_new_tokens=4, batch_size=2)
+    with pytest.raises(FileExistsError, match="--resume"):
+        regenerate(tiny, CONVERSATIONS, killed, max_new_tokens=4, batch_size=2)
+    regenerate(tiny, CONVERSATIONS, killed, max_new_tokens=4, batch_size=2, resume=True)
     assert killed.read_bytes() == whole.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(conversations=CONVERSATIONS[:4]), "the input conversations"),
+        (dict(max_new_tokens=5), "max_new_tokens: 4 -> 5"),
+        (dict(temperature=0.5), "temperature: 0.0 -> 0.5"),
+    ],
+)
+def test_regenerate_resumes_only_what_it_started(tiny, tmp_path, change, message):
+    """--resume into an output made from other conversations or settings is refused, naming what changed, and
+    leaves the output as it was."""
+    out = tmp_path / "regen.jsonl"
+    regenerate(tiny, CONVERSATIONS[:2], out, max_new_tokens=4, batch_size=2)
+    before = out.read_bytes()
+    arguments = dict(conversations=CONVERSATIONS[:2], max_new_tokens=4, temperature=0.0) | change
+    conversations = arguments.pop("conversations")
+    with pytest.raises(ValueError, match=message):
+        regenerate(tiny, conversations, out, batch_size=2, resume=True, **arguments)
+    assert out.read_bytes() == before
+
+
+def test_an_unrelated_file_is_never_taken_for_an_earlier_run(tiny, tmp_path):
+    out = tmp_path / "notes.jsonl"
+    out.write_text('{"id": "single", "conversations": [{"role": "user", "content": "mine"}]}\n')
+    with pytest.raises(FileExistsError):
+        regenerate(tiny, CONVERSATIONS, out, max_new_tokens=4)
+    with pytest.raises(ValueError, match="not an output this command can continue"):
+        regenerate(tiny, CONVERSATIONS, out, max_new_tokens=4, resume=True)
+    assert "mine" in out.read_text()
 
 
 def test_regenerate_stops_conversations_at_max_length(tiny, tmp_path):
     long_second = conversation("long", ("user", "Short one"), ("user", "word " * 200))
     too_long = conversation("too-long", ("user", "word " * 200))
     out = tmp_path / "regen.jsonl"
-    assert regenerate(tiny, [long_second, too_long], out, max_new_tokens=4, max_length=100) == 1
+    report = regenerate(tiny, [long_second, too_long], out, max_new_tokens=4, max_length=100)
+    assert report.written == 1
+    assert report.dropped == {"the next prompt no longer fits the context": 1}
+    assert report.shortened == {"the next prompt no longer fits the context": 1}
+    assert "dropped: 1 (1 because the next prompt no longer fits the context)" in report.summary()
     (row,) = records(out)
     assert row["id"] == "long" and [m["role"] for m in row["conversations"]] == ["user", "assistant"]
 

@@ -134,7 +134,7 @@ def test_resume_refuses_the_other_batch_layout(tiny_target, tmp_path):
     d2t, t2d = identity_vocab()
     train(config(tmp_path, max_steps=2, save_every=1), tiny_target, sequences(4, 11), d2t, t2d)
     interrupted_copy(tmp_path / "run", tmp_path / "b" / "run", at=1)
-    with pytest.raises(ConfigError, match="planned with pack=True; resume it with pack=True"):
+    with pytest.raises(ConfigError, match="pack: True -> False"):
         train(config(tmp_path / "b", max_steps=2, pack=False), tiny_target, sequences(4, 11), d2t, t2d, resume=True)
 
 

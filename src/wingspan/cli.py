@@ -93,19 +93,27 @@ def models_prepare(
 @data_app.command("synth")
 def data_synth(
     out: Annotated[Path, typer.Option(help="Output JSONL of conversations.")],
-    num: Annotated[int, typer.Option(help="Number of conversations.")] = 200,
+    num: Annotated[int, typer.Option(min=1, help="Number of conversations.")] = 200,
     target: TargetOption = "smollm2-135m-instruct",
     dtype: DtypeOption = "bfloat16",
     device: DeviceOption = "auto",
     chat_template: TemplateOption = None,
     chat_template_kwargs: TemplateVariablesOption = "{}",
-    batch_size: int = 16,
-    max_new_tokens: Annotated[int, typer.Option(help="Cap on each generated reply.")] = 512,
-    user_temperature: Annotated[float, typer.Option(help="Sampling temperature of the invented user turns.")] = 1.0,
-    reply_temperature: Annotated[float, typer.Option(help="0 = greedy replies, as greedy evaluation sees them.")] = 0.0,
-    seed: int = 0,
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Cap on each generated reply.")] = 512,
+    user_temperature: Annotated[
+        float, typer.Option(min=0, help="Sampling temperature of the invented user turns.")
+    ] = 1.0,
+    reply_temperature: Annotated[
+        float, typer.Option(min=0, help="0 = greedy replies, as greedy evaluation sees them.")
+    ] = 0.0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Continue (or extend to a larger --num) an earlier run into the same --out, same settings."),
+    ] = False,
 ) -> None:
-    """Make conversations from the target alone: it invents user turns and answers them. Resumable."""
+    """Make conversations from the target alone: it invents user turns and answers them. Resumable with --resume."""
     from wingspan.data.synth import synthesize
     from wingspan.models.target import TargetModel
 
@@ -121,6 +129,7 @@ def data_synth(
         user_temperature=user_temperature,
         reply_temperature=reply_temperature,
         seed=seed,
+        resume=resume,
     )
     typer.echo(f"wrote {out}")
 
@@ -136,10 +145,10 @@ def data_regenerate(
     device: DeviceOption = "auto",
     chat_template: TemplateOption = None,
     chat_template_kwargs: TemplateVariablesOption = "{}",
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    max_new_tokens: int = 512,
-    batch_size: Annotated[int, typer.Option(help="Conversations per batched generate (in-process).")] = 16,
-    limit: Annotated[int | None, typer.Option(help="Only the first N conversations.")] = None,
+    temperature: Annotated[float, typer.Option(min=0, help="0 = greedy.")] = 0.0,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 512,
+    batch_size: Annotated[int, typer.Option(min=1, help="Conversations per batched generate (in-process).")] = 16,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N conversations.")] = None,
     server: Annotated[
         str | None,
         typer.Option(
@@ -151,8 +160,13 @@ def data_regenerate(
         str | None, typer.Option(help="The served model's name (default: the server's only model).")
     ] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Conversations in flight at once (--server).")] = 8,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Continue an interrupted run into the same --out (same input and settings, checked)."),
+    ] = False,
 ) -> None:
-    """Replace the assistant turns of a file by the target's own replies. Resumable."""
+    """Replace the assistant turns of a file by the target's own replies. Resumable with --resume; prints how many
+    conversations were dropped or cut short, and why."""
     from wingspan.data.conversations import read_conversations
 
     conversations, report = read_conversations(source)
@@ -163,8 +177,14 @@ def data_regenerate(
         from wingspan.data.server import ChatServer, regenerate_via_server
 
         chat = ChatServer(server, model)
-        regenerate_via_server(
-            chat, conversations, out, temperature=temperature, max_new_tokens=max_new_tokens, concurrency=concurrency
+        report = regenerate_via_server(
+            chat,
+            conversations,
+            out,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            concurrency=concurrency,
+            resume=resume,
         )
     else:
         from wingspan.data.synth import regenerate
@@ -173,24 +193,25 @@ def data_regenerate(
         target_model = TargetModel.load(
             target, dtype=dtype, device=device, **template_options(chat_template, chat_template_kwargs)
         )
-        regenerate(
+        report = regenerate(
             target_model,
             conversations,
             out,
             temperature=temperature,
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
+            resume=resume,
         )
-    typer.echo(f"wrote {out}")
+    typer.echo(report.summary())
 
 
 @app.command("vocab")
 def vocab(
     data: Annotated[list[Path], typer.Argument(help="Training conversation files.")],
     out: Annotated[Path, typer.Option(help="Output vocab.safetensors.")],
-    size: Annotated[int, typer.Option(help="Draft vocab size.")] = 16384,
+    size: Annotated[int, typer.Option(min=1, help="Draft vocab size.")] = 16384,
     target: TargetOption = "smollm2-135m-instruct",
-    max_length: int = 1024,
+    max_length: Annotated[int, typer.Option(min=2)] = 1024,
     chat_template: TemplateOption = None,
     chat_template_kwargs: TemplateVariablesOption = "{}",
 ) -> None:
@@ -241,7 +262,20 @@ def train(
     from_dump: Annotated[
         Path | None, typer.Option(help="Train from a `wingspan dump` directory (sets from_dump).")
     ] = None,
-    resume: Annotated[bool, typer.Option(help="Continue the run in output_dir from its latest checkpoint.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue the run in output_dir from its latest complete checkpoint; refused when the settings or "
+            "the data differ from the run's (docs/reliability.md)."
+        ),
+    ] = False,
+    resume_or_start: Annotated[
+        bool,
+        typer.Option(
+            help="As --resume when output_dir has a checkpoint, else start the run: for a job a scheduler restarts "
+            "with the same command."
+        ),
+    ] = False,
     show: Annotated[bool, typer.Option(help="Print the resolved config and exit.")] = False,
 ) -> None:
     """Train an EAGLE-3 draft: online (the target runs each batch) or from a hidden-state dump.
@@ -266,7 +300,7 @@ def train(
     from wingspan.devices import resolve_device
 
     with process_group(resolve_device(cfg.device)) as world:
-        final = run_training(cfg, resume=resume)
+        final = run_training(cfg, resume="if-any" if resume_or_start else resume)
     if world.is_main:
         typer.echo(f"draft: {final}")
 
@@ -295,15 +329,15 @@ def evaluate_draft(
         ),
     ] = "mt_bench,gsm8k,humaneval",
     target: TargetOption = "smollm2-135m-instruct",
-    num_draft_tokens: Annotated[int, typer.Option(help="Drafts per round (a chain).")] = 3,
+    num_draft_tokens: Annotated[int, typer.Option(min=1, help="Drafts per round (a chain).")] = 3,
     tree: Annotated[
         str | None, typer.Option(help="EAGLE-2 tree instead of a chain: DEPTH,TOPK,TOTAL (e.g. 5,8,48).")
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Cap on each reply (per turn).")] = 256,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Cap on each reply (per turn).")] = 256,
     temperature: Annotated[
         float, typer.Option(help="0 = greedy (outputs must equal the baseline's); above, both decoders sample.")
     ] = 0.0,
-    limit: Annotated[int | None, typer.Option(help="Only the first N prompts of each set.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts of each set.")] = None,
     dtype: Annotated[
         str,
         typer.Option(
@@ -314,8 +348,8 @@ def evaluate_draft(
     chat_template: TemplateOption = None,
     chat_template_kwargs: TemplateVariablesOption = "{}",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
-    seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
-    warmup: Annotated[int, typer.Option(help="Prompts (batches) decoded untimed first, by both decoders.")] = 1,
+    seed: Annotated[int, typer.Option(min=0, help="Sampling seed (temperature > 0).")] = 0,
+    warmup: Annotated[int, typer.Option(min=0, help="Prompts (batches) decoded untimed first, by both decoders.")] = 1,
     batch_size: Annotated[
         int,
         typer.Option(
@@ -455,9 +489,9 @@ def study_layers(
     all_turns: Annotated[
         bool, typer.Option(help="Ask every turn of multi-turn prompts (default: first turns).")
     ] = False,
-    num_draft_tokens: Annotated[int, typer.Option(help="Drafts per round of the chain decoder.")] = 3,
+    num_draft_tokens: Annotated[int, typer.Option(min=1, help="Drafts per round of the chain decoder.")] = 3,
     tree: Annotated[str, typer.Option(help="The tree decoder: DEPTH,TOPK,TOTAL.")] = "4,4,16",
-    max_new_tokens: Annotated[int, typer.Option(help="Cap on each reply.")] = 256,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Cap on each reply.")] = 256,
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -62,9 +63,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return int(value)
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
     if annotation is str:
         if isinstance(value, str):
             return value
@@ -79,6 +80,14 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where or cls.__name__}: unknown field(s) {unknown}; known: {sorted(names)}")
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ConfigError(f"{where or cls.__name__}: missing field(s) {missing}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     try:
         obj = cls(**kwargs)
@@ -152,6 +161,31 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def require_range(
+    name: str,
+    value: float | None,
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
+    at_most: float | None = None,
+) -> None:
+    """ConfigError naming the field and its allowed range when `value` (None: unset, allowed) is outside it."""
+    if value is None:
+        return
+    low = f"> {above}" if above is not None else f">= {at_least}" if at_least is not None else ""
+    high = f"< {below}" if below is not None else f"<= {at_most}" if at_most is not None else ""
+    fine = math.isfinite(value) and (
+        (above is None or value > above)
+        and (at_least is None or value >= at_least)
+        and (below is None or value < below)
+        and (at_most is None or value <= at_most)
+    )
+    if not fine:
+        allowed = " and ".join(part for part in (low, high) if part) or "finite"
+        raise ConfigError(f"{name}: must be {allowed}, got {value!r}")
+
+
 # --------------------------------------------------------------------------------------------------
 
 
@@ -196,14 +230,26 @@ class DraftConfig:
     target: TargetIdentity | None = None  # None: a draft imported without knowing its target
 
     def __post_init__(self) -> None:
-        if self.num_hidden_layers < 1:
-            raise ConfigError(f"num_hidden_layers: must be >= 1, got {self.num_hidden_layers}")
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "target_hidden_size",
+            "vocab_size",
+            "num_hidden_layers",
+            "max_position_embeddings",
+        ):
+            require_range(name, getattr(self, name), at_least=1)
+        require_range("rms_norm_eps", self.rms_norm_eps, above=0)
+        require_range("rope_theta", self.rope_theta, above=0)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ConfigError(f"draft_vocab_size: must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
-        if len(self.aux_layer_ids) < 1:
-            raise ConfigError("aux_layer_ids: at least one target layer is needed")
+        if len(self.aux_layer_ids) < 1 or min(self.aux_layer_ids) < 0:
+            raise ConfigError(f"aux_layer_ids: expected target layer numbers >= 0, got {self.aux_layer_ids}")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in SCALED_ROPE_TYPES:
             raise ConfigError(
                 f"rope_scaling: rope_type {self.rope_scaling.get('rope_type')!r} is not supported for drafts; "
@@ -266,6 +312,9 @@ class TrainConfig:
     # under torchrun: replicate the draft on every rank (ddp), or shard each decoder layer and the rest of
     # the draft over the ranks (fsdp, FSDP2) when its weights and AdamW state are too large to replicate
     parallel: Literal["ddp", "fsdp"] = "ddp"
+    # a non-finite loss or gradient norm: stop the run (its last checkpoint stays as it was), or skip the step
+    # (counted and logged; ten in a row stop it). skip reads the gradient norm back every step (a host sync on GPUs)
+    on_nonfinite: Literal["stop", "skip"] = "stop"
     # bookkeeping
     save_every: int = 200  # optimizer steps between checkpoints (and always at the end)
     log_every: int = 10
@@ -277,23 +326,38 @@ class TrainConfig:
             device_name(self.device)
         except ConfigError as error:
             raise ConfigError(f"device: {error}") from None
-        if self.num_hidden_layers < 1:
-            raise ConfigError(f"num_hidden_layers: must be >= 1, got {self.num_hidden_layers}")
-        if self.draft_vocab_size < 1:
-            raise ConfigError(f"draft_vocab_size: must be >= 1, got {self.draft_vocab_size}")
-        if self.epochs <= 0:
-            raise ConfigError(f"epochs: must be > 0, got {self.epochs}")
-        if self.ttt_steps < 1:
-            raise ConfigError(f"ttt_steps: must be >= 1, got {self.ttt_steps}")
-        if self.max_length < 2:
-            raise ConfigError(f"max_length: must be >= 2, got {self.max_length}")
-        if self.batch_tokens < self.max_length:
-            raise ConfigError(f"batch_tokens ({self.batch_tokens}) must be >= max_length ({self.max_length})")
-        if self.grad_accum < 1:
-            raise ConfigError(f"grad_accum: must be >= 1, got {self.grad_accum}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr: must be > 0, got {self.lr}")
-        if self.init_from and self.vocab:
-            raise ConfigError("init_from and vocab: a draft to start from brings its own vocab; set one of them")
+        for name, bounds in TRAIN_RANGES.items():
+            require_range(name, getattr(self, name), **bounds)
+        for index, beta in enumerate(self.betas):
+            require_range(f"betas[{index}]", beta, at_least=0, below=1)
         if len(self.betas) != 2:
             raise ConfigError(f"betas: expected two numbers, got {self.betas}")
+        if self.batch_tokens < self.max_length:
+            raise ConfigError(f"batch_tokens ({self.batch_tokens}) must be >= max_length ({self.max_length})")
+        if self.aux_layer_ids is not None and (not self.aux_layer_ids or min(self.aux_layer_ids) < 0):
+            raise ConfigError(f"aux_layer_ids: expected target layer numbers >= 0, got {self.aux_layer_ids}")
+        if self.init_from and self.vocab:
+            raise ConfigError("init_from and vocab: a draft to start from brings its own vocab; set one of them")
+
+
+# The numeric fields of TrainConfig and their allowed ranges (require_range's keywords).
+TRAIN_RANGES: dict[str, dict[str, float]] = {
+    "num_hidden_layers": {"at_least": 1},
+    "draft_vocab_size": {"at_least": 1},
+    "max_length": {"at_least": 2},
+    "batch_tokens": {"at_least": 2},
+    "ttt_steps": {"at_least": 1},
+    "step_decay": {"above": 0, "at_most": 1},
+    "lr": {"above": 0},
+    "min_lr_ratio": {"at_least": 0, "at_most": 1},
+    "weight_decay": {"at_least": 0},
+    "warmup_ratio": {"at_least": 0, "below": 1},
+    "grad_clip": {"above": 0},
+    "grad_accum": {"at_least": 1},
+    "epochs": {"above": 0},
+    "max_steps": {"at_least": 1},
+    "seed": {"at_least": 0, "below": 2**63},
+    "save_every": {"at_least": 1},
+    "log_every": {"at_least": 1},
+    "num_threads": {"at_least": 1},
+}

@@ -34,6 +34,10 @@ class ExportError(WingspanError, ValueError):
     """A draft that cannot be exported faithfully, or an export that does not reproduce its draft."""
 
 
+class TrainingError(WingspanError, RuntimeError):
+    """A run that cannot go on: its loss or gradients stopped being finite."""
+
+
 class ServerError(WingspanError, RuntimeError):
     """An inference server refused a request for a reason other than the prompt's length."""
 

@@ -1,13 +1,21 @@
 """Files that are whole or absent: wingspan writes every file and directory under a temporary name beside
-its final one and renames it into place, so an interruption never leaves a half-written one behind."""
+its final one and renames it into place, so an interruption never leaves a half-written one behind.
+
+What arrives gets the user's normal mode (the umask's), whatever wrote it: safetensors writes its files 0600,
+which a serving process run by another user could not read.
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from wingspan.errors import DataError
 
 
 def temporary_sibling(path: Path, kind: str = "tmp", unique: bool = False) -> Path:
@@ -15,6 +23,46 @@ def temporary_sibling(path: Path, kind: str = "tmp", unique: bool = False) -> Pa
     interrupted one left; with `unique` it carries the process id, for paths several processes may write at
     once (the shared model cache)."""
     return path.with_name(f".{path.name}.{os.getpid()}.{kind}" if unique else f".{path.name}.{kind}")
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@functools.cache
+def _umask() -> int:
+    # Read once: reading it means setting it, and a file another thread created in between would get 0666.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def normal_mode(directory: bool = False) -> int:
+    """The mode a plain `open()` or `mkdir()` gives under the process's umask."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def give_normal_modes(path: Path) -> None:
+    """`path` (a file, or a directory and everything in it) with the modes the umask gives."""
+    if path.is_dir():
+        path.chmod(normal_mode(directory=True))
+        for child in path.rglob("*"):
+            if not child.is_symlink():
+                child.chmod(normal_mode(directory=child.is_dir()))
+    else:
+        path.chmod(normal_mode())
+
+
+def inside(directory: Path, name: str, where: str) -> Path:
+    """`directory / name` for a name read from a file (a manifest, a pointer), refused when it leads elsewhere."""
+    path = directory / name
+    if Path(name).is_absolute() or ".." in Path(name).parts or not name.strip():
+        raise DataError(f"{where}: names {name!r}, which is not a file inside {directory}")
+    return path
 
 
 def _remove(path: Path) -> None:
@@ -34,6 +82,7 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     _remove(tmp)
     try:
         yield tmp
+        give_normal_modes(tmp)
         tmp.replace(path)
     finally:
         _remove(tmp)
@@ -56,6 +105,7 @@ def atomic_directory(path: str | Path, unique: bool = False) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        give_normal_modes(tmp)
         if path.exists():
             path.rename(old)
         tmp.rename(path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -56,12 +56,14 @@ def tokenized_dataset(
     return records
 
 
-def draft_vocab(config: TrainConfig, target: TargetModel, records: list[TokenizedConversation]) -> DraftVocab:
+def draft_vocab(
+    config: TrainConfig, target: TargetModel, records: list[TokenizedConversation]
+) -> tuple[DraftVocab, bool]:
     """The vocab file named in the config, the vocab of the draft training starts from (`init_from`), or one
-    built from the assistant tokens of the training data."""
+    built from the assistant tokens of the training data; and whether it was built (the run saves it)."""
     if config.init_from:
         state = starting_draft(config.init_from, names=("d2t", "t2d"))[1]
-        return DraftVocab(state["d2t"], state["t2d"], coverage=float("nan"))
+        return DraftVocab(state["d2t"], state["t2d"], coverage=float("nan")), False
     if config.vocab:
         vocab = DraftVocab.load(config.vocab)
         if vocab.target_vocab_size != target.vocab_size:
@@ -69,8 +71,8 @@ def draft_vocab(config: TrainConfig, target: TargetModel, records: list[Tokenize
                 f"{config.vocab}: built for a target vocab of {vocab.target_vocab_size}, "
                 f"but {config.target} has {target.vocab_size}"
             )
-        return vocab
-    return build_vocab(target, records, config.draft_vocab_size, Path(config.output_dir) / "vocab.safetensors")
+        return vocab, False
+    return build_vocab(target, records, config.draft_vocab_size), True
 
 
 def starting_draft(directory: str, names: tuple[str, ...] | None = None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
@@ -89,20 +91,26 @@ def starting_draft(directory: str, names: tuple[str, ...] | None = None) -> tupl
 
 
 def build_vocab(
-    target: TargetModel | TargetVocabulary, records: list[TokenizedConversation], size: int, path: Path
+    target: TargetModel | TargetVocabulary, records: list[TokenizedConversation], size: int, path: Path | None = None
 ) -> DraftVocab:
-    """The `size` most frequent assistant tokens (end-of-turn ids always in), saved to `path`; the target's
-    weights are not needed (a `TargetVocabulary` will do)."""
-    vocab = build_draft_vocab(
-        records, target.vocab_size, min(size, target.vocab_size), always_include=target.eos_token_ids
-    )
-    if current_world().is_main:  # under torchrun every rank builds the same vocab; one writes it
+    """The `size` most frequent assistant tokens (end-of-turn ids always in), saved to `path` when given; the
+    target's weights are not needed (a `TargetVocabulary` will do)."""
+    if size > target.vocab_size:
+        raise ConfigError(
+            f"draft_vocab_size: must be <= the target's vocab ({target.vocab_size}), got {size}; "
+            f"{target.vocab_size} is the whole vocab"
+        )
+    vocab = build_draft_vocab(records, target.vocab_size, size, always_include=target.eos_token_ids)
+    if path is not None and current_world().is_main:  # under torchrun every rank builds the same vocab; one writes it
         vocab.save(path)
-    print0(f"draft vocab: {vocab.draft_vocab_size} tokens cover {vocab.coverage:.1%} of assistant tokens -> {path}")
+    where = f" -> {path}" if path is not None else ""
+    print0(f"draft vocab: {vocab.draft_vocab_size} tokens cover {vocab.coverage:.1%} of assistant tokens{where}")
     return vocab
 
 
-def run_training(config: TrainConfig, resume: bool = False, target: TargetModel | None = None) -> Path:
+def run_training(
+    config: TrainConfig, resume: bool | Literal["if-any"] = False, target: TargetModel | None = None
+) -> Path:
     """Load the target (unless given) and the data, build the vocab, train; returns the final draft's directory.
 
     With `config.from_dump` the records and the target's features come from that dump; the target is still
@@ -114,15 +122,25 @@ def run_training(config: TrainConfig, resume: bool = False, target: TargetModel 
 
     target = target or load_target(config)
     if config.from_dump:
-        dump = HiddenStateDump(config.from_dump)
+        dump = HiddenStateDump(config.from_dump, verify=bool(resume))
         require_match(dump.path, dump.manifest.identity, dump_identity(config, target), compare_data=bool(config.data))
-        vocab = draft_vocab(config, target, dump.records)
+        vocab, built = draft_vocab(config, target, dump.records)
         print0(f"{dump.path}: {len(dump.records)} conversations, {dump.manifest.num_tokens} tokens (dumped features)")
         features = DumpFeatures(dump, target, vocab.d2t)
-        return train(config, target, dump.records, vocab.d2t, vocab.t2d, resume=resume, features=features)
+        return train(
+            config,
+            target,
+            dump.records,
+            vocab.d2t,
+            vocab.t2d,
+            resume=resume,
+            features=features,
+            built_vocab=vocab if built else None,
+        )
     records = tokenized_dataset(config.data, target.tokenizer, config.max_length, config.learn_reasoning)
-    vocab = draft_vocab(config, target, records)
-    return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume)  # online: the target runs each batch
+    vocab, built = draft_vocab(config, target, records)
+    # online: the target runs each batch
+    return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume, built_vocab=vocab if built else None)
 
 
 def run_dump(

@@ -59,11 +59,11 @@ def run_quickstart(out: Path, device: str = "auto") -> Path:
         batch_size=SYNTH["batch_size"],
         max_new_tokens=SYNTH["max_new_tokens"],
         seed=config.seed,
+        resume=True,
     )
 
     print("[3/4] draft vocab and training")
-    resume = (Path(config.output_dir) / "checkpoints").exists()
-    draft_dir = run_training(config, resume=resume, target=target)
+    draft_dir = run_training(config, resume="if-any", target=target)
 
     print("[4/4] export for vLLM")
     export_dir = out / "vllm-draft"

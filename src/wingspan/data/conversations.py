@@ -16,6 +16,7 @@ Files are .jsonl (one record per line) or .json (an array of records), optionall
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 from collections import Counter
@@ -360,10 +361,13 @@ class Regeneration:
     Both regenerators drive it: in process (many in lockstep, one batched generate per round) and through a
     server (one request at a time)."""
 
+    CONTEXT_FULL = "the next prompt no longer fits the context"
+
     def __init__(self, conversation: Conversation) -> None:
         self.original = conversation
         self.history: list[Message] = []  # the regenerated conversation so far
         self.unasked = [m for m in conversation.messages if m.role != "assistant"]
+        self.ended_early: str | None = None  # why it ended before its last user turn
 
     @property
     def done(self) -> bool:
@@ -378,11 +382,12 @@ class Regeneration:
         """The conversation to answer next, as chat-template input (call only while not `done`)."""
         return [{"role": m.role, "content": m.content} for m in self.history + self._next_turn()]
 
-    def answer(self, reply: str | None) -> None:
-        """The target's reply to `next_prompt()`; None when it does not fit the context: the conversation then
-        ends with its previous reply."""
+    def answer(self, reply: str | None, why_none: str = CONTEXT_FULL) -> None:
+        """The target's reply to `next_prompt()`; None when there is none to keep (`why_none`): the
+        conversation then ends with its previous reply."""
         if reply is None:
             self.unasked = []
+            self.ended_early = why_none
             return
         turn = self._next_turn()
         self.history += turn + [Message("assistant", reply)]
@@ -392,13 +397,83 @@ class Regeneration:
         return Conversation(self.history, id=self.original.id, source=self.original.source)
 
 
-def resume_by_id(conversations: list[Conversation], out_path: Path, resume: bool) -> list[Conversation]:
-    """Start (or continue) an output that is resumed by conversation id: the ids must be unique; returns the
-    conversations a previous run finished in `out_path` (none without `resume`), after rewriting the file
-    with just those, which drops a last line cut short by an interruption."""
+@dataclass
+class RegenerationReport:
+    """What a regeneration wrote, and what it dropped or cut, with the reasons."""
+
+    out: Path
+    written: int = 0  # conversations in the output, earlier runs' included
+    dropped: Counter = field(default_factory=Counter)  # reason -> conversations left out (no reply at all)
+    shortened: Counter = field(default_factory=Counter)  # reason -> conversations that lost their later turns
+
+    def add(self, regeneration: Regeneration) -> Conversation | None:
+        """Count `regeneration`'s outcome; its conversation when it is kept."""
+        conversation = regeneration.conversation()
+        if not conversation.has_assistant_turn():
+            self.dropped[regeneration.ended_early or "no reply"] += 1
+            return None
+        if regeneration.ended_early:
+            self.shortened[regeneration.ended_early] += 1
+        self.written += 1
+        return conversation
+
+    def summary(self) -> str:
+        parts = [f"wrote {self.out} ({self.written} conversations)"]
+        for label, counts in (("dropped", self.dropped), ("ended early", self.shortened)):
+            if counts:
+                reasons = ", ".join(f"{n} because {reason}" for reason, n in counts.most_common())
+                parts.append(f"{label}: {sum(counts.values())} ({reasons})")
+        return "; ".join(parts)
+
+
+def settings_path(out_path: Path) -> Path:
+    """The file beside a regeneration's output that records what it was made from."""
+    return out_path.with_name(out_path.name + ".settings.json")
+
+
+def conversations_sha256(conversations: list[Conversation]) -> str:
+    """sha256 of the conversations' ids and non-assistant messages: what a regeneration keeps of its input."""
+    kept = [[c.id, [[m.role, m.content] for m in c.messages if m.role != "assistant"]] for c in conversations]
+    return hashlib.sha256(json.dumps(kept).encode()).hexdigest()
+
+
+def open_output(out_path: Path, resume: bool, settings: dict) -> bool:
+    """Check a generated output against `resume` before anything is written: an existing output is refused
+    without `resume`; with it, it must have been made with the same `settings` (recorded beside it,
+    `settings_path`, which this then writes). Returns whether there is an earlier run's output to continue."""
+    recorded_path = settings_path(out_path)
+    exists = out_path.exists() and out_path.stat().st_size > 0
+    if exists and not resume:
+        raise FileExistsError(f"{out_path}: exists; pass --resume to continue it, or choose another --out")
+    if exists:
+        if not recorded_path.exists():
+            raise DataError(
+                f"{out_path}: no {recorded_path.name} beside it, so it is not an output this command can continue"
+            )
+        recorded = json.loads(recorded_path.read_text(encoding="utf-8"))
+        differ = [k for k in settings if recorded.get(k) != settings[k]]
+        if differ:
+            changes = [
+                f"{k}: {recorded.get(k)!r} -> {settings[k]!r}" for k in differ if k not in ("conversations", "count")
+            ]
+            if "conversations" in differ or "count" in differ:
+                changes.insert(0, "the input conversations (their ids or user turns, or --limit) changed")
+            raise DataError(
+                f"{out_path}: --resume with another input or settings than it was made with: {'; '.join(changes)}"
+            )
+    write_text_atomically(recorded_path, json.dumps(settings, indent=2) + "\n")
+    return exists
+
+
+def start_output(conversations: list[Conversation], out_path: Path, resume: bool, settings: dict) -> list[Conversation]:
+    """Start (or, with `resume`, continue: `open_output`) a regeneration's output, which is resumed by
+    conversation id, from the same conversations (compared by `conversations_sha256`). The ids must be unique.
+    Returns the conversations a previous run finished, after rewriting the file with just those, which drops a
+    last line cut short by an interruption."""
     repeated = [i for i, n in Counter(c.id for c in conversations).items() if n > 1]
     if repeated:
         raise DataError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
-    done = read_finished(out_path) if resume and out_path.exists() else []
+    record = dict(settings, conversations=conversations_sha256(conversations), count=len(conversations))
+    done = read_finished(out_path) if open_output(out_path, resume, record) else []
     write_conversations_jsonl(done, out_path)
     return done

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -33,7 +33,7 @@ from wingspan.config import TrainConfig, from_dict, read_mapping, save_json
 from wingspan.data.batching import collate, plan_packed
 from wingspan.data.template import TokenizedConversation
 from wingspan.errors import ConfigError, DataError
-from wingspan.files import atomic_file
+from wingspan.files import atomic_file, inside, sha256_of
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -73,6 +73,9 @@ class ShardInfo:
     num_records: int
     num_tokens: int
     done: bool = False
+    # of the written file: the size is checked whenever the dump is read, the sha256 on resume
+    bytes: int | None = None
+    sha256: str | None = None
 
 
 @dataclass
@@ -122,14 +125,6 @@ def template_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def dump_identity(config: TrainConfig, target) -> DumpIdentity:
     """The identity a dump must have to serve `config` (with `target` loaded from it)."""
     return DumpIdentity(
@@ -139,7 +134,7 @@ def dump_identity(config: TrainConfig, target) -> DumpIdentity:
         aux_layer_ids=list(target.aux_layer_ids),
         target_dtype=config.target_dtype,
         max_length=config.max_length,
-        data=[DataFile(path, file_sha256(path)) for path in config.data],
+        data=[DataFile(path, sha256_of(path)) for path in config.data],
         learn_reasoning=config.learn_reasoning,
     )
 
@@ -193,7 +188,7 @@ def plan_shards(lengths: list[int], tokens_per_shard: int) -> list[ShardInfo]:
 def read_manifest(directory: str | Path) -> DumpManifest:
     path = Path(directory) / MANIFEST
     if not path.exists():
-        raise FileNotFoundError(f"{directory}: not a hidden-state dump (no {MANIFEST}); make one with `wingspan dump`")
+        raise DataError(f"{directory}: not a hidden-state dump (no {MANIFEST}); make one with `wingspan dump`")
     data = read_mapping(path)
     if data.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: dump format {data.get('format_version')!r}, this wingspan reads {FORMAT_VERSION}")
@@ -226,6 +221,11 @@ def write_dump(
     if manifest_path.exists():
         manifest = read_manifest(out)
         require_match(out, manifest.identity, identity, compare_data=True)
+        for shard in manifest.shards:
+            problem = shard.done and shard_problem(out, shard, hashes=True)
+            if problem:
+                print(f"warning: {problem}: writing it again")
+                shard.done = False
         # Same identity, so the same records, unless tokenization itself changed (a tokenizers upgrade).
         planned = [(s.first_record, s.num_records, s.num_tokens) for s in manifest.shards]
         same = sum(n for _, n, _ in planned) == len(records) and all(
@@ -259,10 +259,23 @@ def write_dump(
         tensors = shard_tensors(target, shard_records, identity.max_length, batch_tokens, progress)
         with atomic_file(out / shard.file) as tmp:
             save_file(tensors, str(tmp))
+            shard.bytes, shard.sha256 = tmp.stat().st_size, sha256_of(tmp)
         shard.done = True
         save_json(manifest, manifest_path)
     progress.close()
     return manifest
+
+
+def shard_problem(directory: Path, shard: ShardInfo, hashes: bool) -> str | None:
+    """What is wrong with a finished shard's file (missing, another size, with `hashes` another sha256), or None."""
+    path = inside(directory, shard.file, str(directory / MANIFEST))
+    if not path.is_file():
+        return f"{path}: missing"
+    if shard.bytes is not None and path.stat().st_size != shard.bytes:
+        return f"{path}: {path.stat().st_size} bytes, {shard.bytes} when written"
+    if hashes and shard.sha256 is not None and sha256_of(path) != shard.sha256:
+        return f"{path}: its contents changed since it was written (sha256 differs)"
+    return None
 
 
 def describe(manifest: DumpManifest, num_records: int, todo: list[ShardInfo]) -> str:
@@ -335,7 +348,8 @@ class HiddenStateDump:
     """A finished dump: its records (ids, loss mask) in memory, features read per micro-batch from the
     memory-mapped shards, so a dump larger than RAM trains as well."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, verify: bool = False) -> None:
+        """`verify`: check every shard's sha256 too (its size is always checked)."""
         self.path = Path(directory)
         self.manifest = read_manifest(self.path)
         unfinished = [s.file for s in self.manifest.shards if not s.done]
@@ -344,7 +358,16 @@ class HiddenStateDump:
                 f"{self.path}: unfinished dump ({len(unfinished)} of {len(self.manifest.shards)} "
                 "shards missing); continue it with `wingspan dump ... --resume`"
             )
-        self._shards = [safe_open(str(self.path / s.file), framework="pt") for s in self.manifest.shards]
+        for shard in self.manifest.shards:
+            problem = shard_problem(self.path, shard, hashes=verify)
+            if problem:
+                raise DataError(f"{problem}; `wingspan dump ... --resume` writes it again")
+        self._shards = []
+        for shard in self.manifest.shards:
+            try:
+                self._shards.append(safe_open(str(self.path / shard.file), framework="pt"))
+            except SafetensorError as error:
+                raise DataError(f"{self.path / shard.file}: not a readable shard ({error})") from None
         self.records: list[TokenizedConversation] = []
         self._where: list[tuple[int, int, int]] = []  # record -> (shard, first token, end token)
         for number, (info, shard) in enumerate(zip(self.manifest.shards, self._shards)):
@@ -355,8 +378,9 @@ class HiddenStateDump:
                     f"{self.path / info.file}: holds {len(offsets) - 1} records / {len(ids)} tokens, "
                     f"the manifest says {info.num_records} / {info.num_tokens}"
                 )
-            for start, end in zip(offsets, offsets[1:]):
-                self.records.append(TokenizedConversation(ids[start:end], mask[start:end]))
+            for record, (start, end) in enumerate(zip(offsets, offsets[1:])):
+                source = f"{self.path / info.file} record {record}"
+                self.records.append(TokenizedConversation(ids[start:end], mask[start:end], source))
                 self._where.append((number, start, end))
 
     def features(self, rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

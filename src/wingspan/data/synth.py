@@ -23,9 +23,11 @@ from wingspan.data.conversations import (
     Conversation,
     Message,
     Regeneration,
+    RegenerationReport,
     append_conversations_jsonl,
+    open_output,
     read_finished,
-    resume_by_id,
+    start_output,
     write_conversations_jsonl,
 )
 from wingspan.data.template import chat_prompt, end_of_turn_id, special_ids, user_turn_prefix
@@ -54,19 +56,30 @@ def synthesize(
     user_temperature: float = 1.0,
     reply_temperature: float = 0.0,
     seed: int = 0,
-    resume: bool = True,
+    resume: bool = False,
 ) -> int:
     """Write `num_conversations` single-turn conversations, user and assistant both by the target.
 
     A user turn is dropped when it does not end within max_user_tokens, is shorter than MIN_USER_CHARS,
     holds a special token, or repeats an earlier one; a conversation with an empty reply is dropped too.
-    Replies that hit max_new_tokens are kept, cut. Ids are synth-{seed}-{batch}-{index}. Returns the
-    number of conversations in `out_path`.
+    Replies that hit max_new_tokens are kept, cut. Ids are synth-{seed}-{batch}-{index}. With `resume` an
+    earlier run into `out_path` with the same settings is continued (or extended to a larger
+    `num_conversations`). Returns the number of conversations in `out_path`.
     """
     if user_temperature <= 0:
         raise ConfigError("user_temperature must be > 0: greedy user turns would all be the same")
     out_path = Path(out_path)
-    done = read_finished(out_path) if resume and out_path.exists() else []
+    settings = dict(
+        target=target.name,
+        dtype=str(target.dtype).removeprefix("torch."),
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        max_user_tokens=max_user_tokens,
+        user_temperature=user_temperature,
+        reply_temperature=reply_temperature,
+        seed=seed,
+    )
+    done = read_finished(out_path) if open_output(out_path, resume, settings) else []
     if len(done) >= num_conversations:
         return len(done)
     batch = 0
@@ -142,8 +155,7 @@ def synth_batch_index(conversation_id: str, seed: int, path: Path) -> int:
     match = re.fullmatch(rf"synth-{seed}-(\d+)-\d+", conversation_id)
     if not match:
         raise DataError(
-            f"{path}: id {conversation_id!r} is not from a synthesize run with seed {seed}; "
-            "use another output file, or resume=False to overwrite it"
+            f"{path}: id {conversation_id!r} is not from a synthesize run with seed {seed}; use another output file"
         )
     return int(match.group(1))
 
@@ -161,18 +173,27 @@ def regenerate(
     batch_size: int = 16,
     max_length: int = 2048,
     seed: int = 0,
-    resume: bool = True,
-) -> int:
+    resume: bool = False,
+) -> RegenerationReport:
     """Replace every assistant turn by the target's own reply; add one after each user turn that has none.
 
     System and user messages are kept as they are, in order, and so are the ids. A conversation stops at
     the first user turn whose prompt plus max_new_tokens would exceed max_length (its earlier turns are
-    kept; with none left it is skipped). Batches are built from conversations sorted by prompt length
-    (less padding). With resume, conversations whose id is already in `out_path` are not redone.
-    Returns the number of conversations in `out_path`.
+    kept; with none left it is dropped, and counted). Batches are built from conversations sorted by prompt
+    length (less padding). With resume, conversations whose id is already in `out_path` are not redone (see
+    `start_output`).
     """
     out_path = Path(out_path)
-    done = resume_by_id(conversations, out_path, resume)
+    settings = dict(
+        target=target.name,
+        dtype=str(target.dtype).removeprefix("torch."),
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        max_length=max_length,
+        seed=seed,
+    )
+    done = start_output(conversations, out_path, resume, settings)
     finished = {c.id for c in done}
 
     first_prompt_length = {}
@@ -183,7 +204,7 @@ def regenerate(
     ordered = sorted(conversations, key=lambda c: first_prompt_length[c.id])
     batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
-    count, too_long = len(done), 0
+    report = RegenerationReport(out_path, written=len(done))
     with tqdm(total=len(conversations), desc="regenerate", unit="conv") as bar:
         for number, batch in enumerate(batches):
             todo = [c for c in batch if c.id not in finished]
@@ -193,14 +214,12 @@ def regenerate(
             # The whole batch is generated even when part of it was written before an interruption:
             # padding, and so the numerics, must be those of the uninterrupted run.
             replied = regenerate_batch(target, batch, temperature, max_new_tokens, max_length, f"{seed}/{number}")
-            new = [r for r in replied if r.id not in finished and r.has_assistant_turn()]
-            too_long += sum(1 for r in replied if r.id not in finished and not r.has_assistant_turn())
-            append_conversations_jsonl(new, out_path)
-            count += len(new)
+            new = [report.add(r) for r in replied if r.original.id not in finished]
+            append_conversations_jsonl([c for c in new if c is not None], out_path)
             bar.update(len(todo))
-            if too_long:
-                bar.set_postfix(too_long=too_long)
-    return count
+            if report.dropped:
+                bar.set_postfix(dropped=sum(report.dropped.values()))
+    return report
 
 
 def regenerate_batch(
@@ -210,7 +229,7 @@ def regenerate_batch(
     max_new_tokens: int,
     max_length: int,
     seed: str,
-) -> list[Conversation]:
+) -> list[Regeneration]:
     """Regenerate every conversation of `batch`, one round per turn, each round one batched generate."""
     rng = random.Random(f"regenerate/{seed}")
     regenerations = [Regeneration(c) for c in batch]
@@ -227,4 +246,4 @@ def regenerate_batch(
             replies = target.generate(prompts, max_new_tokens, temperature=temperature, seed=rng.getrandbits(63))
             for regeneration, reply in zip(waiting, replies):
                 regeneration.answer(decode(target, reply))
-    return [r.conversation() for r in regenerations]
+    return regenerations

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ _REASONING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)  # Qwen3, DeepSeek-
 class TokenizedConversation:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the token is assistant content or its end-of-turn marker
+    source: str = field(
+        default="", compare=False
+    )  # where it was read ("path:line", a dump's shard and record), for messages
 
 
 class TemplateAlignmentError(DataError):
@@ -271,7 +274,7 @@ def tokenize_conversations(
             if not any(mask):
                 report.add("no assistant token", f"{conversation.source}: no assistant token in the first {max_length}")
                 continue
-            records.append(TokenizedConversation(ids[:max_length], mask))
+            records.append(TokenizedConversation(ids[:max_length], mask, conversation.source))
     if not records:
         raise DataError(f"no conversation has an assistant token to train on; {report.summary()}")
     return records, report

@@ -40,7 +40,7 @@ from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.errors import ConfigError
 from wingspan.eval.metrics import acceptance_length, acceptance_per_position
 from wingspan.eval.prompts import EvalPrompt
-from wingspan.export import FORMATS, detect_format, export_config, read_export
+from wingspan.export import detect_format, export_config, no_export, read_export
 from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
 
@@ -322,9 +322,7 @@ def load_models(
     elif (directory / "draft_config.json").is_file():
         config = load(DraftConfig, directory / "draft_config.json")
     else:
-        raise FileNotFoundError(
-            f"{directory}: neither a wingspan draft (draft_config.json) nor an export ({', '.join(FORMATS)})"
-        )
+        no_export(directory)
     model = TargetModel.load(
         target,
         dtype=dtype,

@@ -5,14 +5,17 @@ read any of them (`read_export`), which `wingspan eval` and `wingspan import` us
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NoReturn
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from wingspan.config import DraftConfig
 from wingspan.errors import ExportError
 from wingspan.export import sglang, speculators, vllm
 from wingspan.export.core import CONFIG, ExportSettings, Format, read_config_json, read_with, tensor_names, write_export
-from wingspan.models.draft import Eagle3Draft
+from wingspan.models.draft import CONFIG as DRAFT_CONFIG
+from wingspan.models.draft import WEIGHTS, Eagle3Draft
 
 FORMATS: dict[str, Format] = {f.name: f for f in (vllm.FORMAT, speculators.FORMAT, sglang.FORMAT)}
 # Tried in this order: the speculators config is told by its own field, SGLang's from vLLM's by layer 0's name.
@@ -60,11 +63,28 @@ def load_any_draft(directory: str | Path) -> Eagle3Draft:
     written, so an export gets placeholder ones (the logits check compares like with like)."""
     directory = Path(directory)
     if detect_format(directory) is None:
+        if not (directory / DRAFT_CONFIG).is_file():
+            no_export(directory)
         return Eagle3Draft.load(directory)
     config = export_config(directory)
     placeholder = torch.randn(config.vocab_size, config.hidden_size, generator=torch.Generator().manual_seed(0))
     return read_export(directory, placeholder)
 
 
-def no_export(directory: Path):
-    raise ExportError(f"{directory}: not a draft export ({', '.join(FORMATS)}): no config.json of a known layout")
+def no_export(directory: Path) -> NoReturn:
+    """ExportError saying why `directory` is neither a wingspan draft nor an export of a known layout."""
+    what = f"neither a wingspan draft ({DRAFT_CONFIG}) nor a draft export ({', '.join(FORMATS)})"
+    if not directory.is_dir():
+        raise ExportError(f"{directory}: no such directory")
+    if not (directory / CONFIG).is_file():
+        raise ExportError(f"{directory}: {what}: it holds neither {DRAFT_CONFIG} nor {CONFIG}")
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise ExportError(f"{weights}: missing; an export holds its weights there (sharded exports are not read)")
+    try:
+        with safe_open(str(weights), "pt"):
+            pass
+    except (OSError, SafetensorError) as error:
+        raise ExportError(f"{weights}: not a readable safetensors file ({error})") from None
+    architectures = read_config_json(directory).get("architectures")
+    raise ExportError(f"{directory / CONFIG}: {what}: a config of no known layout (architectures {architectures})")

@@ -14,11 +14,12 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from wingspan.config import DraftConfig, from_dict, to_dict
-from wingspan.errors import CheckpointError
+from wingspan.config import DraftConfig, load, to_dict
+from wingspan.errors import CheckpointError, TrainingError
 from wingspan.files import atomic_file, write_text_atomically
 
 WEIGHTS = "model.safetensors"
@@ -211,9 +212,17 @@ class Eagle3Draft(nn.Module):
     def load(cls, directory: str | Path, embed_weight: torch.Tensor | None = None) -> Eagle3Draft:
         """Load a saved draft; the frozen embeddings come from the target (`embed_weight`)."""
         directory = Path(directory)
-        config = from_dict(DraftConfig, json.loads((directory / CONFIG).read_text()))
+        if not (directory / CONFIG).is_file():
+            raise CheckpointError(
+                f"{directory}: not a wingspan draft (no {CONFIG}) nor a draft export of a known layout"
+            )
+        config = load(DraftConfig, directory / CONFIG)
+        try:
+            weights = load_file(str(directory / WEIGHTS))
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{directory / WEIGHTS}: not a readable safetensors file ({error})") from None
         model = cls(config)
-        model.load_trainable_state(load_file(str(directory / WEIGHTS)), source=str(directory))
+        model.load_trainable_state(weights, source=str(directory))
         if embed_weight is not None:
             model.embed_tokens.weight.data.copy_(embed_weight)
         return model
@@ -221,8 +230,11 @@ class Eagle3Draft(nn.Module):
 
 def write_draft(directory: str | Path, weights: dict[str, torch.Tensor], config: DraftConfig) -> None:
     """The draft directory `Eagle3Draft.load` reads, from a draft's `trainable_state_dict()` (under FSDP the
-    weights gathered on rank 0, hence no module here)."""
+    weights gathered on rank 0, hence no module here). Non-finite weights are never written."""
     directory = Path(directory)
+    broken = [name for name, tensor in weights.items() if not bool(torch.isfinite(tensor).all())]
+    if broken:
+        raise TrainingError(f"{directory}: not written: the draft's {', '.join(broken)} hold NaN or inf")
     with atomic_file(directory / WEIGHTS) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp))
     write_text_atomically(directory / CONFIG, json.dumps(to_dict(config), indent=2) + "\n")

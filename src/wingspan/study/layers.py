@@ -96,11 +96,10 @@ def train_setting(config: TrainConfig, target) -> Path:
     """Train (or resume, or skip when finished) one setting; returns its final draft directory."""
     from wingspan.pipeline import run_training
 
-    run_dir = Path(config.output_dir)
-    final = run_dir / "draft"
+    final = Path(config.output_dir) / "draft"
     if (final / "draft_config.json").exists():
         return final
-    return run_training(config, resume=(run_dir / "checkpoints").exists(), target=target)
+    return run_training(config, resume="if-any", target=target)
 
 
 def evaluate_setting(

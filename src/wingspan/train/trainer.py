@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -26,11 +27,12 @@ from tqdm import tqdm
 from wingspan.config import DraftConfig, TargetIdentity, TrainConfig, save_json
 from wingspan.data.batching import MicroBatch, collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
+from wingspan.data.vocab import DraftVocab
 from wingspan.dtypes import dtype_name
-from wingspan.errors import ConfigError
+from wingspan.errors import CheckpointError, ConfigError, TrainingError
 from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.families import rope_parameters
-from wingspan.train.checkpoint import Checkpoint, latest_checkpoint, read_checkpoint, save_checkpoint
+from wingspan.train.checkpoint import Checkpoint, checkpoint_directories, resume_point, save_checkpoint
 from wingspan.train.distributed import (
     World,
     clip_grad_norm_,
@@ -44,6 +46,7 @@ from wingspan.train.distributed import (
     share_of_step,
 )
 from wingspan.train.features import FeatureSource, OnlineFeatures
+from wingspan.train.resume import cut_metrics, describe_run, require_same_run
 from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_masks
 
 
@@ -142,9 +145,13 @@ class MetricLog:
         self.sums = torch.zeros(3 * self.steps + 1, dtype=torch.float64, device=self.device)
         self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # the same on every rank
         self.optimizer_steps = 0
+        self.skipped = 0
         self.started = time.perf_counter()
 
     def add(self, metrics: StepMetrics) -> None:
+        if metrics.skipped:
+            self.skipped += 1
+            return
         self.sums += metrics.sums
         self.grad_norm_sum += metrics.grad_norm
         self.optimizer_steps += 1
@@ -159,14 +166,17 @@ class MetricLog:
         record["sim_accept_len"] = simulated_acceptance_length(accuracy, len(accuracy))
         record["grad_norm"] = self.grad_norm_sum.item() / max(1, self.optimizer_steps)  # before clipping
         record["tokens_per_s"] = tokens.item() / max(1e-9, time.perf_counter() - self.started)
+        record["skipped_steps"] = self.skipped
+        # JSON has no NaN or inf: a non-finite figure (a window of skipped steps only) is written as null
+        record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
         self.reset()
         if not self.world.is_main:
             return record
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in record.items():
-                if key != "step":
+                if key != "step" and value is not None:
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
         return record
@@ -229,6 +239,7 @@ class StepMetrics:
     loss: torch.Tensor  # the objective of this rank's micro-batches (detached)
     sums: torch.Tensor  # float64 [3 * steps + 1]: loss sum, correct and count per TTT step, then non-pad tokens
     grad_norm: torch.Tensor  # before clipping; the same on every rank
+    skipped: bool = False  # on_nonfinite=skip: the gradient was not finite and no update was made
 
 
 def step_normaliser(group: list[MicroBatch], steps: int) -> torch.Tensor:
@@ -262,9 +273,95 @@ def train_step(
             loss += result.loss.detach()
     trainable = [p for param_group in trainee.optimizer.param_groups for p in param_group["params"]]
     grad_norm = clip_grad_norm_(trainable, config.grad_clip)
-    trainee.optimizer.step()
+    # The global norm is the same on every rank, so every rank skips the same steps. A non-finite loss on any
+    # rank makes it non-finite too.
+    skipped = config.on_nonfinite == "skip" and not bool(torch.isfinite(grad_norm))
+    if not skipped:
+        trainee.optimizer.step()
     trainee.optimizer.zero_grad(set_to_none=True)
-    return StepMetrics(loss, sums, grad_norm)
+    return StepMetrics(loss, sums, grad_norm, skipped)
+
+
+MAX_SKIPS_IN_A_ROW = 10  # on_nonfinite=skip: this many non-finite steps in a row stop the run
+
+
+def batch_sources(sequences: list[TokenizedConversation], group: list[MicroBatch], limit: int = 4) -> str:
+    """The records a global batch was made of, by where they were read, for messages."""
+    sources = [sequences[i].source or f"record {i}" for micro in group for row in micro.rows for i in row]
+    more = f" and {len(sources) - limit} more" if len(sources) > limit else ""
+    return ", ".join(sources[:limit]) + more
+
+
+class FiniteGuard:
+    """Stops the run at the first step whose loss or gradient norm is not finite (on_nonfinite=stop), reading
+    the steps' flags back only when metrics are logged or a checkpoint is written, so that the hot loop has no
+    host sync; the weights are then past saving, and the last checkpoint is the one to go back to. Skipped
+    steps (on_nonfinite=skip) are counted and said, and too many in a row stop the run as well."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.skip = config.on_nonfinite == "skip"
+        self.pending: list[tuple[int, str, torch.Tensor]] = []  # (step, batch sources, finite flag) not yet read
+        self.skipped = 0
+        self.in_a_row = 0
+
+    def add(self, step: int, sources: str, metrics: StepMetrics) -> None:
+        if not self.skip:
+            self.pending.append((step, sources, torch.isfinite(metrics.loss) & torch.isfinite(metrics.grad_norm)))
+            return
+        if not metrics.skipped:
+            self.in_a_row = 0
+            return
+        self.skipped += 1
+        self.in_a_row += 1
+        print0(f"warning: step {step}: non-finite gradient norm, skipped ({self.skipped} so far); batch: {sources}")
+        if self.in_a_row >= MAX_SKIPS_IN_A_ROW:
+            raise TrainingError(
+                f"steps {step - self.in_a_row + 1}-{step}: {self.in_a_row} non-finite steps in a row; the draft "
+                "cannot learn from here (lr too high? damaged data?); its last checkpoint is as it was"
+            )
+
+    def check(self, last_checkpoint: int) -> None:
+        """Raise at the first pending step that was not finite (rank 0 and every other rank alike)."""
+        if not self.pending:
+            return
+        flags = torch.stack([flag for _, _, flag in self.pending]).tolist()
+        pending, self.pending = self.pending, []
+        for (step, sources, _), finite in zip(pending, flags):
+            if not finite:
+                kept = f"step {last_checkpoint}'s checkpoint is as it was" if last_checkpoint else "nothing was saved"
+                raise TrainingError(
+                    f"step {step}: the loss or the gradient norm is not finite (NaN or inf); batch: {sources}; "
+                    f"the run stops ({kept}); on_nonfinite=skip skips such steps instead"
+                )
+
+
+def open_run(
+    config: TrainConfig, record: dict, resume: bool | Literal["if-any"], built_vocab: DraftVocab | None
+) -> Checkpoint | None:
+    """Check the run directory against `resume`, and a resumed run against its checkpoint's record, before
+    anything there is written; then write the run's config (and `built_vocab`) and cut metrics.jsonl back to
+    the step training goes on from. Returns the checkpoint to resume (None: a fresh start)."""
+    run_dir = Path(config.output_dir)
+    checkpoint = resume_point(run_dir) if resume else None
+    if not resume and checkpoint_directories(run_dir):
+        raise FileExistsError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another output_dir"
+        )
+    if resume is True and checkpoint is None:
+        raise CheckpointError(
+            f"{run_dir}: --resume, but there is no checkpoint to continue; start it without --resume "
+            "(or with --resume-or-start)"
+        )
+    if checkpoint:
+        for note in require_same_run(checkpoint.path, checkpoint.trainer_state.get("run"), record):
+            print0(f"resume: {note}")
+    if current_world().is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_json(config, run_dir / "config.json")
+        if built_vocab is not None:
+            built_vocab.save(run_dir / "vocab.safetensors")
+        cut_metrics(run_dir / "metrics.jsonl", checkpoint.trainer_state["step"] if checkpoint else 0)
+    return checkpoint
 
 
 def train(
@@ -273,27 +370,25 @@ def train(
     sequences: list[TokenizedConversation],
     d2t: torch.Tensor,
     t2d: torch.Tensor,
-    resume: bool = False,
+    resume: bool | Literal["if-any"] = False,
     features: FeatureSource | None = None,
+    built_vocab: DraftVocab | None = None,
 ) -> Path:
     """Train a draft on `sequences` against `target`; returns the directory of the final draft.
 
     `features` gives the target's side of each micro-batch (default: the target runs on it); the target
     itself is still needed for the draft's shape, frozen embeddings and initial weights. The draft trains
-    on the target's device. Under torchrun every rank calls this with the same arguments.
+    on the target's device. `resume`: continue output_dir from its latest checkpoint, which must exist
+    (True) or may not ("if-any"); see `open_run`. `built_vocab`: the vocab (d2t, t2d) built for this run, saved
+    in output_dir once the resume check has passed. Under torchrun every rank calls this with the same
+    arguments.
     """
     world = current_world()
     features = features or OnlineFeatures(target, d2t)
     run_dir = Path(config.output_dir)
-    if not resume and (run_dir / "checkpoints").exists():
-        raise FileExistsError(
-            f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another output_dir"
-        )
-    latest = latest_checkpoint(run_dir) if resume else None
-    checkpoint = read_checkpoint(latest) if latest else None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if world.is_main:
-        save_json(config, run_dir / "config.json")
+    run_record = describe_run(config, target, sequences, d2t, t2d)
+    checkpoint = open_run(config, run_record, resume, built_vocab)
+    world.barrier()  # the run directory is checked and set up before any rank trains
     torch.manual_seed(config.seed)
     trainee = prepare_draft(target, config, d2t, t2d, world, checkpoint)
 
@@ -308,15 +403,9 @@ def train(
         # numbers (the data order is a function of seed and epoch); CUDA generators are not saved.
         torch.set_rng_state(checkpoint.rng_state)
         step, epoch, batch_index = (checkpoint.trainer_state[k] for k in ("step", "epoch", "batch_index"))
-        # The data position indexes a plan, and packing changes the plan: resuming under the other one would
-        # train on other data. Checkpoints from before packing existed were padded.
-        planned_packed = checkpoint.trainer_state.get("pack", False)
-        if planned_packed != config.pack:
-            raise ConfigError(
-                f"{checkpoint.path}: this run was planned with pack={planned_packed}; resume it with "
-                f"pack={planned_packed} (the config has pack={config.pack})"
-            )
         print0(f"resumed from {checkpoint.path} (step {step}/{total_steps})")
+        if step >= total_steps:
+            print0(f"resume: the checkpoint is at step {step}, the run ends at {total_steps}: nothing to train")
     if config.grad_accum % world.size:
         print0(
             f"warning: grad_accum={config.grad_accum} micro-batches per step over {world.size} ranks: some "
@@ -325,6 +414,8 @@ def train(
 
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     log = MetricLog(run_dir, config.tensorboard, config.ttt_steps, world, trainee.device)
+    guard = FiniteGuard(config)
+    last_checkpoint = step
     plan = plan_epoch(lengths, config, epoch, config.shuffle)
     progress = tqdm(
         total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, disable=not world.is_main
@@ -338,21 +429,27 @@ def train(
             group.append(collate(sequences, plan[batch_index], pad_id))
             batch_index += 1
         lr = learning_rate(step, total_steps, config)
-        log.add(train_step(trainee, group, features, lr, config, world))
+        metrics = train_step(trainee, group, features, lr, config, world)
         step += 1
+        guard.add(step, batch_sources(sequences, group), metrics)
+        log.add(metrics)
         progress.update(1)
         if step % config.log_every == 0 or step == total_steps:
+            guard.check(last_checkpoint)
             record = log.flush(step, lr)
-            progress.set_postfix(
-                loss=f"{record['loss_0']:.3f}", acc0=f"{record['acc_0']:.3f}", tau=f"{record['sim_accept_len']:.2f}"
-            )
+            if record["loss_0"] is not None:
+                progress.set_postfix(
+                    loss=f"{record['loss_0']:.3f}", acc0=f"{record['acc_0']:.3f}", tau=f"{record['sim_accept_len']:.2f}"
+                )
         if step % config.save_every == 0 or step == total_steps:
+            guard.check(last_checkpoint)
             # Every rank gathers (FSDP), rank 0 writes; the data position is global, so any world size resumes it.
             draft = trainee.draft
             weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, trainee.optimizer)
             if world.is_main:
-                position = {"step": step, "epoch": epoch, "batch_index": batch_index, "pack": config.pack}
+                position = {"step": step, "epoch": epoch, "batch_index": batch_index, "run": run_record}
                 save_checkpoint(run_dir, step, weights, draft.config, optimizer_state, position, keep=2)
+            last_checkpoint = step
             world.barrier()
     progress.close()
     final = run_dir / "draft"
