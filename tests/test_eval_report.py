@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from wingspan.cli import main
 from wingspan.decode.primitives import SpecResult
@@ -12,6 +13,8 @@ from wingspan.errors import MissingPackageError
 from wingspan.eval.prompts import EvalPrompt
 from wingspan.eval.report import write_report
 from wingspan.eval.runner import EvalSettings, Turn, prompt_result, summarize
+
+CPU = torch.device("cpu")
 
 
 def constructed_set(name: str, compare: bool = True):
@@ -33,11 +36,12 @@ def test_report_files_hold_the_numbers(tmp_path):
     greedy, sampled = constructed_set("mt_bench"), constructed_set("sampled", compare=False)
     assert greedy.acceptance_length == pytest.approx(2.75)
     settings = EvalSettings(max_new_tokens=64, limit=2)
-    write_report(tmp_path, [greedy, sampled], settings, target="tiny", draft="runs/draft", dtype="float32")
+    write_report(tmp_path, [greedy, sampled], settings, target="tiny", draft="runs/draft", dtype="float32", device=CPU)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.png", "results.json", "results.md"]  # no .tmp
 
     results = json.loads((tmp_path / "results.json").read_text())
     assert (results["target"], results["draft"], results["dtype"]) == ("tiny", "runs/draft", "float32")
+    assert results["environment"]["device"].startswith("cpu (")  # where it was measured, with its vector unit
     assert results["settings"]["max_new_tokens"] == 64 and results["settings"]["limit"] == 2
     first = results["sets"][0]
     assert first["acceptance_length"] == pytest.approx(2.75)
@@ -58,7 +62,9 @@ def test_report_files_hold_the_numbers(tmp_path):
 def test_missing_matplotlib_is_named(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingPackageError, match="pip install matplotlib"):
-        write_report(tmp_path, [constructed_set("s")], EvalSettings(), target="t", draft="d", dtype="bfloat16")
+        write_report(
+            tmp_path, [constructed_set("s")], EvalSettings(), target="t", draft="d", dtype="bfloat16", device=CPU
+        )
 
 
 def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:

@@ -392,8 +392,8 @@ def evaluate_draft(
     for name, prompts in prompt_sets.items():
         results.append(evaluate(model, draft_model, prompts, settings, name=name))
         # After every set: a long run that fails later keeps what it measured.
-        write_report(out, results, settings, target=target, draft=str(draft), dtype=dtype)
-    typer.echo(markdown(results, settings, target=target, draft=str(draft), dtype=dtype))
+        write_report(out, results, settings, target=target, draft=str(draft), dtype=dtype, device=where)
+    typer.echo(markdown(results, settings, target=target, draft=str(draft), dtype=dtype, device=where))
     typer.echo(f"wrote {out}/results.json, results.md, acceptance.png")
 
 

@@ -358,6 +358,9 @@ class HiddenStateDump:
                 f"{self.path}: unfinished dump ({len(unfinished)} of {len(self.manifest.shards)} "
                 "shards missing); continue it with `wingspan dump ... --resume`"
             )
+        if verify:
+            size = sum(s.bytes or 0 for s in self.manifest.shards)
+            print(f"{self.path}: checking the sha256 of {len(self.manifest.shards)} shards ({size / 1e9:.2f} GB)")
         for shard in self.manifest.shards:
             problem = shard_problem(self.path, shard, hashes=verify)
             if problem:

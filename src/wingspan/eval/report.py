@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from wingspan.config import to_dict
+from wingspan.devices import describe
 from wingspan.eval.runner import EvalSettings, SetResult
 from wingspan.files import write_text_atomically
 from wingspan.plots import agg_figure, require_matplotlib, save_png
@@ -31,7 +32,14 @@ COLUMNS = (
 
 
 def write_report(
-    out_dir: str | Path, sets: list[SetResult], settings: EvalSettings, *, target: str, draft: str, dtype: str
+    out_dir: str | Path,
+    sets: list[SetResult],
+    settings: EvalSettings,
+    *,
+    target: str,
+    draft: str,
+    dtype: str,
+    device: torch.device,
 ) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -45,11 +53,13 @@ def write_report(
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
+            "device": describe(device),
         },
         "sets": [to_dict(result) for result in sets],
     }
     write_text_atomically(out_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False) + "\n")
-    write_text_atomically(out_dir / "results.md", markdown(sets, settings, target=target, draft=draft, dtype=dtype))
+    text = markdown(sets, settings, target=target, draft=draft, dtype=dtype, device=device)
+    write_text_atomically(out_dir / "results.md", text)
     plot_acceptance(sets, out_dir / "acceptance.png")
 
 
@@ -86,12 +96,14 @@ def table_row(result: SetResult) -> list[str]:
     ]
 
 
-def markdown(sets: list[SetResult], settings: EvalSettings, *, target: str, draft: str, dtype: str) -> str:
+def markdown(
+    sets: list[SetResult], settings: EvalSettings, *, target: str, draft: str, dtype: str, device: torch.device
+) -> str:
     lines = [
         "# wingspan eval",
         "",
         f"Target `{target}` ({dtype}), draft `{draft}`: {decoding(settings)}; "
-        f"torch {torch.__version__}, threads: {torch.get_num_threads()}.",
+        f"torch {torch.__version__}, on {describe(device)}.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|---|" + "---:|" * 2 + "---|" + "---:|" * (len(COLUMNS) - 4),
