@@ -196,7 +196,7 @@ def test_an_unrelated_file_is_never_taken_for_an_earlier_run(tiny, tmp_path):
     out.write_text('{"id": "single", "conversations": [{"role": "user", "content": "mine"}]}\n')
     with pytest.raises(FileExistsError):
         regenerate(tiny, CONVERSATIONS, out, max_new_tokens=4)
-    with pytest.raises(ValueError, match="not an output this command can continue"):
+    with pytest.raises(ValueError, match="was not regenerated from this input"):
         regenerate(tiny, CONVERSATIONS, out, max_new_tokens=4, resume=True)
     assert "mine" in out.read_text()
 
@@ -236,3 +236,24 @@ def test_smollm2_synthesizes_english_conversations(tmp_path):
             assert letters / len(text) > 0.8, text  # English prose, not token soup
             assert len(text.split()) >= 3, text
         assert re.search(r"\b(the|a|is|to|of|and|you|I|in)\b", reply), reply
+
+
+def test_an_output_without_its_settings_resumes_only_when_it_was_made_from_this_input(tiny, tmp_path, capsys):
+    """An older wingspan wrote no settings file: its output is continued when every conversation in it has an
+    id of the input with the same user turns, and refused otherwise; a damaged settings file is one line."""
+    whole = tmp_path / "whole.jsonl"
+    regenerate(tiny, CONVERSATIONS, whole, max_new_tokens=4, batch_size=2)
+    older = tmp_path / "older.jsonl"
+    older.write_text("".join(whole.read_text().splitlines(keepends=True)[:2]))
+    regenerate(tiny, CONVERSATIONS, older, max_new_tokens=4, batch_size=2, resume=True)
+    assert "its settings are not checked" in capsys.readouterr().out
+    assert older.read_bytes() == whole.read_bytes()
+
+    other = tmp_path / "other.jsonl"
+    other.write_text(whole.read_text().replace("Hello there", "Goodbye", 1))
+    with pytest.raises(ValueError, match="was not regenerated from this input"):
+        regenerate(tiny, CONVERSATIONS, other, max_new_tokens=4, batch_size=2, resume=True)
+
+    settings_path(whole).write_text('{"target": "x", ')
+    with pytest.raises(ValueError, match=r"whole.jsonl.settings.json: not valid JSON"):
+        regenerate(tiny, CONVERSATIONS, whole, max_new_tokens=4, batch_size=2, resume=True)

@@ -63,8 +63,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return int(value)
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < math.inf:
+            try:
+                return float(value)
+            except OverflowError:  # an int beyond any float
+                pass
         raise ConfigError(f"{where}: expected a finite number, got {value!r}")
     if annotation is str:
         if isinstance(value, str):
@@ -175,7 +178,7 @@ def require_range(
         return
     low = f"> {above}" if above is not None else f">= {at_least}" if at_least is not None else ""
     high = f"< {below}" if below is not None else f"<= {at_most}" if at_most is not None else ""
-    fine = math.isfinite(value) and (
+    fine = abs(value) < math.inf and (
         (above is None or value > above)
         and (at_least is None or value >= at_least)
         and (below is None or value < below)

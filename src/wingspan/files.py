@@ -7,7 +7,6 @@ which a serving process run by another user could not read.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import shutil
@@ -33,17 +32,23 @@ def sha256_of(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-@functools.cache
-def _umask() -> int:
-    # Read once: reading it means setting it, and a file another thread created in between would get 0666.
-    umask = os.umask(0o022)
+def current_umask() -> int:
+    """The process's umask: read from /proc where it is there, since reading it otherwise means setting it
+    (and a file another thread created in between would get that mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o077)
     os.umask(umask)
     return umask
 
 
 def normal_mode(directory: bool = False) -> int:
     """The mode a plain `open()` or `mkdir()` gives under the process's umask."""
-    return (0o777 if directory else 0o666) & ~_umask()
+    return (0o777 if directory else 0o666) & ~current_umask()
 
 
 def give_normal_modes(path: Path) -> None:

@@ -117,12 +117,15 @@ def run_training(
     loaded (draft shape, frozen embeddings, lm_head rows) but never run.
     """
     from wingspan.data.hidden_states import HiddenStateDump, dump_identity, require_match
+    from wingspan.train.checkpoint import checkpoint_directories
     from wingspan.train.features import DumpFeatures
     from wingspan.train.trainer import train
 
     target = target or load_target(config)
     if config.from_dump:
-        dump = HiddenStateDump(config.from_dump, verify=bool(resume))
+        # A resumed run checks every shard's sha256, a fresh one their sizes (hashing a large dump takes minutes).
+        resuming = bool(resume) and bool(checkpoint_directories(Path(config.output_dir)))
+        dump = HiddenStateDump(config.from_dump, verify=resuming)
         require_match(dump.path, dump.manifest.identity, dump_identity(config, target), compare_data=bool(config.data))
         vocab, built = draft_vocab(config, target, dump.records)
         print0(f"{dump.path}: {len(dump.records)} conversations, {dump.manifest.num_tokens} tokens (dumped features)")

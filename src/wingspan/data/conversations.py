@@ -20,11 +20,12 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from wingspan.config import read_mapping
 from wingspan.errors import DataError
 from wingspan.files import write_text_atomically
 
@@ -437,32 +438,53 @@ def conversations_sha256(conversations: list[Conversation]) -> str:
     return hashlib.sha256(json.dumps(kept).encode()).hexdigest()
 
 
-def open_output(out_path: Path, resume: bool, settings: dict) -> bool:
+def open_output(out_path: Path, resume: bool, settings: dict, unrecorded: Callable[[list[Conversation]], None]) -> bool:
     """Check a generated output against `resume` before anything is written: an existing output is refused
     without `resume`; with it, it must have been made with the same `settings` (recorded beside it,
-    `settings_path`, which this then writes). Returns whether there is an earlier run's output to continue."""
+    `settings_path`, which this then writes). An output from before settings were recorded is continued only
+    when `unrecorded(its conversations)` (which raises DataError otherwise) finds them this run's. Returns
+    whether there is an earlier run's output to continue."""
     recorded_path = settings_path(out_path)
     exists = out_path.exists() and out_path.stat().st_size > 0
     if exists and not resume:
         raise FileExistsError(f"{out_path}: exists; pass --resume to continue it, or choose another --out")
-    if exists:
-        if not recorded_path.exists():
-            raise DataError(
-                f"{out_path}: no {recorded_path.name} beside it, so it is not an output this command can continue"
-            )
-        recorded = json.loads(recorded_path.read_text(encoding="utf-8"))
+    if exists and not recorded_path.exists():
+        unrecorded(read_finished(out_path))
+        print(
+            f"warning: {out_path}: no {recorded_path.name} (an older wingspan's output): its settings are not checked"
+        )
+    elif exists:
+        recorded = read_mapping(recorded_path)
         differ = [k for k in settings if recorded.get(k) != settings[k]]
         if differ:
-            changes = [
-                f"{k}: {recorded.get(k)!r} -> {settings[k]!r}" for k in differ if k not in ("conversations", "count")
-            ]
-            if "conversations" in differ or "count" in differ:
+            changes = [f"{k}: {recorded.get(k)!r} -> {settings[k]!r}" for k in differ if k not in INPUT_KEYS]
+            if set(differ) & set(INPUT_KEYS):
                 changes.insert(0, "the input conversations (their ids or user turns, or --limit) changed")
             raise DataError(
                 f"{out_path}: --resume with another input or settings than it was made with: {'; '.join(changes)}"
             )
     write_text_atomically(recorded_path, json.dumps(settings, indent=2) + "\n")
     return exists
+
+
+INPUT_KEYS = ("conversations", "count")
+
+
+def made_from(conversations: list[Conversation]) -> Callable[[list[Conversation]], None]:
+    """A check that regenerated conversations were made from `conversations`: each id is there, with the
+    same system and user turns (or the first of them, for one that ended early)."""
+    asked = {c.id: [(m.role, m.content) for m in c.messages if m.role != "assistant"] for c in conversations}
+
+    def check(finished: list[Conversation]) -> None:
+        for conversation in finished:
+            kept = [(m.role, m.content) for m in conversation.messages if m.role != "assistant"]
+            if conversation.id not in asked or asked[conversation.id][: len(kept)] != kept:
+                raise DataError(
+                    f"{conversation.source}: conversation {conversation.id!r} was not regenerated from this input "
+                    "(unknown id, or other user turns); use another --out"
+                )
+
+    return check
 
 
 def start_output(conversations: list[Conversation], out_path: Path, resume: bool, settings: dict) -> list[Conversation]:
@@ -474,6 +496,6 @@ def start_output(conversations: list[Conversation], out_path: Path, resume: bool
     if repeated:
         raise DataError(f"conversation ids must be unique to resume by id; repeated: {repeated[:5]}")
     record = dict(settings, conversations=conversations_sha256(conversations), count=len(conversations))
-    done = read_finished(out_path) if open_output(out_path, resume, record) else []
+    done = read_finished(out_path) if open_output(out_path, resume, record, made_from(conversations)) else []
     write_conversations_jsonl(done, out_path)
     return done

@@ -382,7 +382,7 @@ class HiddenStateDump:
                     f"the manifest says {info.num_records} / {info.num_tokens}"
                 )
             for record, (start, end) in enumerate(zip(offsets, offsets[1:])):
-                source = f"{self.path / info.file} record {record}"
+                source = f"{info.file} record {record}"  # the dump's path is in the config
                 self.records.append(TokenizedConversation(ids[start:end], mask[start:end], source))
                 self._where.append((number, start, end))
 

@@ -38,6 +38,18 @@ MIN_USER_CHARS = 10  # shorter sampled user turns are greetings or fragments ("H
 MAX_STUCK_BATCHES = 20  # synthesize gives up when this many batches in a row yield nothing usable
 
 
+def generator_identity(target: TargetModel) -> dict:
+    """What the replies depend on besides the settings: the target (by fingerprint, so that a moved checkpoint
+    is the same target), its dtype, and its chat template with any fixed variables."""
+    from wingspan.data.hidden_states import target_fingerprint, template_fingerprint
+
+    return dict(
+        target=target_fingerprint(target),
+        dtype=str(target.dtype).removeprefix("torch."),
+        chat_template=template_fingerprint(target.tokenizer),
+    )
+
+
 def decode(target: TargetModel, generation: Generation) -> str:
     return target.tokenizer.decode(generation.tokens)
 
@@ -70,8 +82,7 @@ def synthesize(
         raise ConfigError("user_temperature must be > 0: greedy user turns would all be the same")
     out_path = Path(out_path)
     settings = dict(
-        target=target.name,
-        dtype=str(target.dtype).removeprefix("torch."),
+        **generator_identity(target),
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         max_user_tokens=max_user_tokens,
@@ -79,7 +90,12 @@ def synthesize(
         reply_temperature=reply_temperature,
         seed=seed,
     )
-    done = read_finished(out_path) if open_output(out_path, resume, settings) else []
+
+    def synthesized(finished: list[Conversation]) -> None:
+        for conversation in finished:
+            synth_batch_index(conversation.id, seed, out_path)
+
+    done = read_finished(out_path) if open_output(out_path, resume, settings, synthesized) else []
     if len(done) >= num_conversations:
         return len(done)
     batch = 0
@@ -185,8 +201,7 @@ def regenerate(
     """
     out_path = Path(out_path)
     settings = dict(
-        target=target.name,
-        dtype=str(target.dtype).removeprefix("torch."),
+        **generator_identity(target),
         temperature=temperature,
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,

@@ -14,6 +14,7 @@ processes and resume on any number.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -72,11 +73,18 @@ def save_checkpoint(
         save_file(tensors, str(tmp / OPTIMIZER))
         files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)} for name in FILES}
         state = dict(trainer_state, optimizer=meta, torch_rng_state=torch.get_rng_state().tolist(), files=files)
-        (tmp / STATE).write_text(json.dumps(state) + "\n")
+        (tmp / STATE).write_text(json.dumps(dict(state, sha256=state_sha256(state))) + "\n")
     write_text_atomically(checkpoints / "latest", final.name + "\n")
     for old in checkpoint_directories(run_dir)[keep:]:
         shutil.rmtree(old)
     return final
+
+
+def state_sha256(state: dict) -> str:
+    """sha256 of a trainer state (its own `sha256` field left out): a changed digit that keeps the JSON valid
+    (a step, a data position) is found too."""
+    canonical = json.dumps({k: v for k, v in state.items() if k != "sha256"}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def checkpoint_directories(run_dir: Path) -> list[Path]:
@@ -99,6 +107,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
     state_file = path / STATE
     try:
         trainer_state = json.loads(state_file.read_text(encoding="utf-8"))
+        if "sha256" in trainer_state and trainer_state.pop("sha256") != state_sha256(trainer_state):
+            raise CheckpointError(f"{state_file}: its contents changed since it was written (sha256 differs)")
         recorded = trainer_state.pop("files", {})
         for name, record in recorded.items():
             file = inside(path, name, str(state_file))
@@ -110,6 +120,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
                 raise CheckpointError(f"{file}: its contents changed since it was written (sha256 differs)")
         optimizer_meta = trainer_state.pop("optimizer")
         rng_state = torch.tensor(trainer_state.pop("torch_rng_state"), dtype=torch.uint8)
+        if rng_state.shape != torch.get_rng_state().shape:
+            raise CheckpointError(
+                f"{state_file}: torch_rng_state has {rng_state.numel()} bytes, not {torch.get_rng_state().numel()}"
+            )
         for key in ("step", "epoch", "batch_index"):
             if not isinstance(trainer_state.get(key), int):
                 raise CheckpointError(f"{state_file}: no integer {key!r}")
@@ -117,7 +131,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise
     except OSError as error:
         raise CheckpointError(f"{state_file}: cannot read ({error.strerror})") from None
-    except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (ValueError, KeyError, TypeError, RuntimeError, OverflowError) as error:  # JSON/Unicode errors: ValueError
         raise CheckpointError(f"{state_file}: not a complete trainer state ({type(error).__name__}: {error})") from None
     tensors = {}
     for name in (OPTIMIZER, WEIGHTS):

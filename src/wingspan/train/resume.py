@@ -18,7 +18,7 @@ import torch
 
 from wingspan.config import TrainConfig, to_dict
 from wingspan.data.template import TokenizedConversation
-from wingspan.errors import ConfigError
+from wingspan.errors import CheckpointError, ConfigError
 from wingspan.files import sha256_of, write_text_atomically
 
 # Fields a resumed run may change, and what changing them does.
@@ -30,11 +30,13 @@ MAY_CHANGE = {
     "tensorboard": "logging only",
     "num_threads": "CPU threads only",
     "output_dir": "the run was moved",
-    "device": "the draft trains on another device (the last bits of the numerics may differ)",
+    "device": "the draft trains on another device (with autocast_bf16 unset, a GPU turns bf16 autocast on)",
     "parallel": "the ranks share the draft another way (checkpoints hold the full state)",
+    "on_nonfinite": "only steps whose loss or gradient is not finite are handled otherwise",
 }
-# Fields that name inputs; the inputs' fingerprints are compared instead, so that a moved file may resume.
-COMPARED_BY_CONTENT = ("target", "data", "from_dump", "vocab", "init_from", "chat_template")
+# Fields that name inputs (or resolve against the target); their fingerprints, or the resolved values, are
+# compared instead, so that a moved file may resume.
+COMPARED_BY_CONTENT = ("target", "data", "from_dump", "vocab", "init_from", "chat_template", "aux_layer_ids")
 
 
 def sequences_sha256(sequences: list[TokenizedConversation]) -> str:
@@ -56,16 +58,20 @@ def vocab_sha256(d2t: torch.Tensor, t2d: torch.Tensor) -> str:
 
 def describe_run(config: TrainConfig, target, sequences: list[TokenizedConversation], d2t, t2d) -> dict:
     """The record every checkpoint of this run carries (JSON)."""
-    from wingspan.data.hidden_states import MANIFEST, target_fingerprint
+    from wingspan.data.hidden_states import read_manifest, target_fingerprint
 
     inputs = {
         "target": {"name": config.target, "fingerprint": target_fingerprint(target)},
+        "aux_layer_ids": list(target.aux_layer_ids),
         "data": [{"path": path, "sha256": sha256_of(path)} for path in config.data],
         "sequences": {"count": len(sequences), "sha256": sequences_sha256(sequences)},
         "vocab": {"draft_vocab_size": int(d2t.numel()), "sha256": vocab_sha256(d2t, t2d)},
     }
     if config.from_dump:
-        inputs["dump"] = {"path": config.from_dump, "manifest_sha256": sha256_of(Path(config.from_dump) / MANIFEST)}
+        # What the features are: the shards' contents (the records are compared as `sequences`), not the
+        # manifest's bytes, which hold the paths the data was read from.
+        shards = read_manifest(config.from_dump).shards
+        inputs["dump"] = {"path": config.from_dump, "shards": [s.sha256 for s in shards]}
     return {"config": to_dict(config), "inputs": inputs}
 
 
@@ -81,8 +87,12 @@ def input_differences(recorded: dict, current: dict) -> list[str]:
             f"target: the checkpoint's is {old['name']!r} (fingerprint {_short(old['fingerprint'])}), this run's "
             f"{new['name']!r} ({_short(new['fingerprint'])})"
         )
+    if recorded.get("aux_layer_ids") != current["aux_layer_ids"]:
+        differences.append(f"aux_layer_ids: {recorded.get('aux_layer_ids')} -> {current['aux_layer_ids']}")
     old_files, new_files = recorded["data"], current["data"]
-    if [f["sha256"] for f in old_files] != [f["sha256"] for f in new_files]:
+    # From a dump the data files only name what the dump was made from; its shards and records are compared.
+    dumped = "dump" in recorded and "dump" in current
+    if not dumped and [f["sha256"] for f in old_files] != [f["sha256"] for f in new_files]:
         if len(old_files) != len(new_files):
             differences.append(
                 f"data: the checkpoint was trained on {[f['path'] for f in old_files]}, this run reads "
@@ -95,10 +105,11 @@ def input_differences(recorded: dict, current: dict) -> list[str]:
                     f"(sha256 {_short(was['sha256'])})"
                 )
     if ("dump" in recorded) != ("dump" in current) or (
-        "dump" in recorded and recorded["dump"]["manifest_sha256"] != current["dump"]["manifest_sha256"]
+        dumped and recorded["dump"]["shards"] != current["dump"]["shards"]
     ):
         was, now = recorded.get("dump", {}).get("path"), current.get("dump", {}).get("path")
-        differences.append(f"from_dump: the checkpoint trained from dump {was!r}, this run from {now!r}")
+        same = " (its shards have changed since)" if was == now else ""
+        differences.append(f"from_dump: the checkpoint trained from dump {was!r}, this run from {now!r}{same}")
     if not differences and recorded["sequences"] != current["sequences"]:
         differences.append(
             f"tokenized data: {current['sequences']['count']} sequences (sha256 "
@@ -114,22 +125,37 @@ def input_differences(recorded: dict, current: dict) -> list[str]:
     return differences
 
 
-def require_same_run(where: Path, recorded: dict | None, current: dict) -> list[str]:
-    """Raise ConfigError naming every difference between the checkpoint's run and this one that changes what
-    is trained; returns a note for each allowed change."""
-    if recorded is None:
+def require_same_run(where: Path, trainer_state: dict, current: dict) -> list[str]:
+    """Raise ConfigError naming every difference between the run of the checkpoint at `where` (its trainer
+    state) and this one that changes what is trained; returns a note for each allowed change. A field the
+    checkpoint does not record (added to TrainConfig since) counts as its default."""
+    recorded = trainer_state.get("run")
+    if recorded is None:  # written before runs were recorded: only the batch layout was
+        planned_packed = trainer_state.get("pack", False)
+        if planned_packed != current["config"]["pack"]:
+            wanted = current["config"]["pack"]
+            raise ConfigError(
+                f"{where}: --resume with other settings than the run it continues: pack: {planned_packed!r} -> "
+                f"{wanted!r}"
+            )
         return [f"{where} records no run settings (written before they were recorded): they are not checked"]
-    old, new = recorded["config"], current["config"]
-    differences, notes = [], []
-    for name in sorted(set(old) | set(new)):
-        if name in COMPARED_BY_CONTENT or old.get(name) == new.get(name):
-            continue
-        change = f"{name}: {old.get(name)!r} -> {new.get(name)!r}"
-        if name in MAY_CHANGE:
-            notes.append(f"{change} ({MAY_CHANGE[name]})")
-        else:
-            differences.append(change)
-    differences += input_differences(recorded["inputs"], current["inputs"])
+    try:
+        old = to_dict(TrainConfig()) | recorded["config"]
+        new = current["config"]
+        differences, notes = [], []
+        for name in sorted(set(old) | set(new)):
+            if name in COMPARED_BY_CONTENT or old.get(name) == new.get(name):
+                continue
+            change = f"{name}: {old.get(name)!r} -> {new.get(name)!r}"
+            if name in MAY_CHANGE:
+                notes.append(f"{change} ({MAY_CHANGE[name]})")
+            else:
+                differences.append(change)
+        differences += input_differences(recorded["inputs"], current["inputs"])
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(
+            f"{where}: its record of the run is malformed ({type(error).__name__}: {error})"
+        ) from None
     if differences:
         raise ConfigError(
             f"{where}: --resume with other settings than the run it continues: {'; '.join(differences)}; "

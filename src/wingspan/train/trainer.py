@@ -29,7 +29,7 @@ from wingspan.data.batching import MicroBatch, collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
 from wingspan.data.vocab import DraftVocab
 from wingspan.dtypes import dtype_name
-from wingspan.errors import CheckpointError, ConfigError, TrainingError
+from wingspan.errors import CheckpointError, ConfigError, TrainingError, WingspanError
 from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.families import rope_parameters
 from wingspan.train.checkpoint import Checkpoint, checkpoint_directories, resume_point, save_checkpoint
@@ -158,13 +158,14 @@ class MetricLog:
 
     def flush(self, step: int, lr: float) -> dict:
         loss_sum, correct, count, tokens = self.world.sum(self.sums).cpu().split([self.steps] * 3 + [1])
-        count = count.clamp(min=1)
+        # A window of skipped steps only measured nothing: its figures are NaN here, null in the file.
+        count = count.clamp(min=1) if self.optimizer_steps else torch.full_like(count, float("nan"))
         accuracy = (correct / count).tolist()
         record = {"step": step, "lr": lr}
         record.update({f"loss_{j}": v for j, v in enumerate((loss_sum / count).tolist())})
         record.update({f"acc_{j}": v for j, v in enumerate(accuracy)})
         record["sim_accept_len"] = simulated_acceptance_length(accuracy, len(accuracy))
-        record["grad_norm"] = self.grad_norm_sum.item() / max(1, self.optimizer_steps)  # before clipping
+        record["grad_norm"] = self.grad_norm_sum.item() / self.optimizer_steps if self.optimizer_steps else None
         record["tokens_per_s"] = tokens.item() / max(1e-9, time.perf_counter() - self.started)
         record["skipped_steps"] = self.skipped
         # JSON has no NaN or inf: a non-finite figure (a window of skipped steps only) is written as null
@@ -285,9 +286,9 @@ def train_step(
 MAX_SKIPS_IN_A_ROW = 10  # on_nonfinite=skip: this many non-finite steps in a row stop the run
 
 
-def batch_sources(sequences: list[TokenizedConversation], group: list[MicroBatch], limit: int = 4) -> str:
+def batch_sources(sequences: list[TokenizedConversation], records: list[int], limit: int = 4) -> str:
     """The records a global batch was made of, by where they were read, for messages."""
-    sources = [sequences[i].source or f"record {i}" for micro in group for row in micro.rows for i in row]
+    sources = [sequences[i].source or f"record {i}" for i in records]
     more = f" and {len(sources) - limit} more" if len(sources) > limit else ""
     return ", ".join(sources[:limit]) + more
 
@@ -298,21 +299,24 @@ class FiniteGuard:
     host sync; the weights are then past saving, and the last checkpoint is the one to go back to. Skipped
     steps (on_nonfinite=skip) are counted and said, and too many in a row stop the run as well."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, sequences: list[TokenizedConversation]) -> None:
         self.skip = config.on_nonfinite == "skip"
-        self.pending: list[tuple[int, str, torch.Tensor]] = []  # (step, batch sources, finite flag) not yet read
+        self.sequences = sequences
+        self.pending: list[tuple[int, list[int], torch.Tensor]] = []  # (step, its records, finite flag) not read yet
         self.skipped = 0
         self.in_a_row = 0
 
-    def add(self, step: int, sources: str, metrics: StepMetrics) -> None:
+    def add(self, step: int, group: list[MicroBatch], metrics: StepMetrics) -> None:
+        records = [i for micro in group for row in micro.rows for i in row]
         if not self.skip:
-            self.pending.append((step, sources, torch.isfinite(metrics.loss) & torch.isfinite(metrics.grad_norm)))
+            self.pending.append((step, records, torch.isfinite(metrics.loss) & torch.isfinite(metrics.grad_norm)))
             return
         if not metrics.skipped:
             self.in_a_row = 0
             return
         self.skipped += 1
         self.in_a_row += 1
+        sources = batch_sources(self.sequences, records)
         print0(f"warning: step {step}: non-finite gradient norm, skipped ({self.skipped} so far); batch: {sources}")
         if self.in_a_row >= MAX_SKIPS_IN_A_ROW:
             raise TrainingError(
@@ -326,8 +330,9 @@ class FiniteGuard:
             return
         flags = torch.stack([flag for _, _, flag in self.pending]).tolist()
         pending, self.pending = self.pending, []
-        for (step, sources, _), finite in zip(pending, flags):
+        for (step, records, _), finite in zip(pending, flags):
             if not finite:
+                sources = batch_sources(self.sequences, records)
                 kept = f"step {last_checkpoint}'s checkpoint is as it was" if last_checkpoint else "nothing was saved"
                 raise TrainingError(
                     f"step {step}: the loss or the gradient norm is not finite (NaN or inf); batch: {sources}; "
@@ -336,16 +341,50 @@ class FiniteGuard:
 
 
 def open_run(
-    config: TrainConfig, record: dict, resume: bool | Literal["if-any"], built_vocab: DraftVocab | None
+    config: TrainConfig,
+    record: dict,
+    resume: bool | Literal["if-any"],
+    built_vocab: DraftVocab | None,
+    device: torch.device,
 ) -> Checkpoint | None:
     """Check the run directory against `resume`, and a resumed run against its checkpoint's record, before
-    anything there is written; then write the run's config (and `built_vocab`) and cut metrics.jsonl back to
-    the step training goes on from. Returns the checkpoint to resume (None: a fresh start)."""
+    anything there is written (under torchrun: on every rank, and none writes unless all passed); then write
+    the run's config (and `built_vocab`) and cut metrics.jsonl back to the step training goes on from. Returns
+    the checkpoint to resume (None: a fresh start)."""
+    world = current_world()
+    refusal: Exception | None = None
+    checkpoint = None
+    try:
+        checkpoint = check_run_directory(config, record, resume)
+    except (WingspanError, OSError) as error:
+        refusal = error
+    refused = world.sum(torch.tensor([float(refusal is not None)], device=device)).item()
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise CheckpointError(f"{config.output_dir}: another rank refused to start the run (its message says why)")
+    if world.is_main:
+        run_dir = Path(config.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_json(config, run_dir / "config.json")
+        if built_vocab is not None:
+            built_vocab.save(run_dir / "vocab.safetensors")
+        cut_metrics(run_dir / "metrics.jsonl", checkpoint.trainer_state["step"] if checkpoint else 0)
+    return checkpoint
+
+
+def check_run_directory(config: TrainConfig, record: dict, resume: bool | Literal["if-any"]) -> Checkpoint | None:
     run_dir = Path(config.output_dir)
     checkpoint = resume_point(run_dir) if resume else None
-    if not resume and checkpoint_directories(run_dir):
+    if checkpoint is None and (checkpoint_directories(run_dir) or (run_dir / "draft").exists()):
+        held = "checkpoints" if checkpoint_directories(run_dir) else "a finished draft and no checkpoint"
         raise FileExistsError(
-            f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another output_dir"
+            f"{run_dir} already holds {held}: "
+            + (
+                "pass --resume to continue it, or choose another output_dir"
+                if not resume
+                else "choose another output_dir"
+            )
         )
     if resume is True and checkpoint is None:
         raise CheckpointError(
@@ -353,14 +392,8 @@ def open_run(
             "(or with --resume-or-start)"
         )
     if checkpoint:
-        for note in require_same_run(checkpoint.path, checkpoint.trainer_state.get("run"), record):
+        for note in require_same_run(checkpoint.path, checkpoint.trainer_state, record):
             print0(f"resume: {note}")
-    if current_world().is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_json(config, run_dir / "config.json")
-        if built_vocab is not None:
-            built_vocab.save(run_dir / "vocab.safetensors")
-        cut_metrics(run_dir / "metrics.jsonl", checkpoint.trainer_state["step"] if checkpoint else 0)
     return checkpoint
 
 
@@ -387,7 +420,7 @@ def train(
     features = features or OnlineFeatures(target, d2t)
     run_dir = Path(config.output_dir)
     run_record = describe_run(config, target, sequences, d2t, t2d)
-    checkpoint = open_run(config, run_record, resume, built_vocab)
+    checkpoint = open_run(config, run_record, resume, built_vocab, target.device)
     world.barrier()  # the run directory is checked and set up before any rank trains
     torch.manual_seed(config.seed)
     trainee = prepare_draft(target, config, d2t, t2d, world, checkpoint)
@@ -414,7 +447,7 @@ def train(
 
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     log = MetricLog(run_dir, config.tensorboard, config.ttt_steps, world, trainee.device)
-    guard = FiniteGuard(config)
+    guard = FiniteGuard(config, sequences)
     last_checkpoint = step
     plan = plan_epoch(lengths, config, epoch, config.shuffle)
     progress = tqdm(
@@ -431,7 +464,7 @@ def train(
         lr = learning_rate(step, total_steps, config)
         metrics = train_step(trainee, group, features, lr, config, world)
         step += 1
-        guard.add(step, batch_sources(sequences, group), metrics)
+        guard.add(step, group, metrics)
         log.add(metrics)
         progress.update(1)
         if step % config.log_every == 0 or step == total_steps:
