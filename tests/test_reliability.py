@@ -600,3 +600,20 @@ def test_a_missing_or_partial_export_is_named(tmp_path, damage, message):
         result = wingspan("export", str(tmp_path / "export"), "--out", str(tmp_path / "again"))
         assert result.returncode == 2 and "not a readable safetensors" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(temperature=float("inf")), "temperature: must be >= 0, got inf"),
+        (dict(temperature=-0.5), "temperature: must be >= 0, got -0.5"),
+        (dict(limit=0), "limit: must be >= 1, got 0"),
+        (dict(warmup_prompts=-1), "warmup_prompts: must be >= 0"),
+        (dict(seed=-3), "seed: must be >= 0"),
+    ],
+)
+def test_eval_settings_are_checked_with_their_range(fields, message):
+    from wingspan.eval.runner import EvalSettings
+
+    with pytest.raises(ConfigError, match=message):
+        EvalSettings(**fields)

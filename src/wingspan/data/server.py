@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from wingspan.config import require_range
 from wingspan.data.conversations import (
     Conversation,
     Regeneration,
@@ -149,8 +150,8 @@ def regenerate_via_server(
     resume: bool = False,
 ) -> RegenerationReport:
     """`synth.regenerate` through a server."""
-    if concurrency < 1:
-        raise ConfigError(f"concurrency: must be >= 1, got {concurrency}")
+    require_range("concurrency", concurrency, at_least=1)
+    require_range("temperature", temperature, at_least=0)
     out_path = Path(out_path)
     settings = dict(model=server.model, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     done = start_output(conversations, out_path, resume, settings)

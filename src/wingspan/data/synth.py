@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from wingspan.config import require_range
 from wingspan.data.conversations import (
     Conversation,
     Message,
@@ -80,6 +81,8 @@ def synthesize(
     """
     if user_temperature <= 0:
         raise ConfigError("user_temperature must be > 0: greedy user turns would all be the same")
+    require_range("user_temperature", user_temperature, above=0)
+    require_range("reply_temperature", reply_temperature, at_least=0)
     out_path = Path(out_path)
     settings = dict(
         **generator_identity(target),
@@ -199,6 +202,7 @@ def regenerate(
     length (less padding). With resume, conversations whose id is already in `out_path` are not redone (see
     `start_output`).
     """
+    require_range("temperature", temperature, at_least=0)
     out_path = Path(out_path)
     settings = dict(
         **generator_identity(target),

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from wingspan.config import DraftConfig, load
+from wingspan.config import DraftConfig, load, require_range
 from wingspan.data.template import chat_prompt
 from wingspan.decode.batched import plain_generate_batch, speculative_generate_batch
 from wingspan.decode.primitives import SpecResult, TreeShape
@@ -76,15 +76,11 @@ class EvalSettings:
                 raise ConfigError(str(error)) from None
         if self.batch_size > 1 and self.tree_depth is not None:
             raise ConfigError("batch_size: trees are decoded one prompt at a time; batches need a chain")
-        for name in ("num_draft_tokens", "max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
-        if self.limit is not None and self.limit < 1:
-            raise ConfigError(f"limit: must be >= 1, got {self.limit}")
-        if self.warmup_prompts < 0:
-            raise ConfigError(f"warmup_prompts: must be >= 0, got {self.warmup_prompts}")
+        for name in ("num_draft_tokens", "max_new_tokens", "batch_size", "limit"):
+            require_range(name, getattr(self, name), at_least=1)
+        require_range("temperature", self.temperature, at_least=0)
+        require_range("warmup_prompts", self.warmup_prompts, at_least=0)
+        require_range("seed", self.seed, at_least=0)
 
     @property
     def tree(self) -> TreeShape | None:
