@@ -32,7 +32,7 @@ from wingspan.data.conversations import (
     write_conversations_jsonl,
 )
 from wingspan.data.template import chat_prompt, end_of_turn_id, special_ids, user_turn_prefix
-from wingspan.errors import ConfigError, DataError
+from wingspan.errors import DataError
 from wingspan.models.target import Generation, TargetModel
 
 MIN_USER_CHARS = 10  # shorter sampled user turns are greetings or fragments ("Hi", "What?")
@@ -79,9 +79,7 @@ def synthesize(
     earlier run into `out_path` with the same settings is continued (or extended to a larger
     `num_conversations`). Returns the number of conversations in `out_path`.
     """
-    if user_temperature <= 0:
-        raise ConfigError("user_temperature must be > 0: greedy user turns would all be the same")
-    require_range("user_temperature", user_temperature, above=0)
+    require_range("user_temperature", user_temperature, above=0)  # greedy user turns would all be the same
     require_range("reply_temperature", reply_temperature, at_least=0)
     out_path = Path(out_path)
     settings = dict(

@@ -376,8 +376,9 @@ def open_run(
 def check_run_directory(config: TrainConfig, record: dict, resume: bool | Literal["if-any"]) -> Checkpoint | None:
     run_dir = Path(config.output_dir)
     checkpoint = resume_point(run_dir) if resume else None
-    if checkpoint is None and (checkpoint_directories(run_dir) or (run_dir / "draft").exists()):
-        held = "checkpoints" if checkpoint_directories(run_dir) else "a finished draft and no checkpoint"
+    has_checkpoints = bool(checkpoint_directories(run_dir))
+    if checkpoint is None and (has_checkpoints or (run_dir / "draft").exists()):
+        held = "checkpoints" if has_checkpoints else "a finished draft and no checkpoint"
         raise FileExistsError(
             f"{run_dir} already holds {held}: "
             + (
