@@ -23,7 +23,7 @@ def constructed_set(name: str, compare: bool = True):
 
     def turn(accepted, tokens, seconds, reply):
         result = SpecResult(list(range(tokens)), 1 + len(accepted), accepted, [3] * len(accepted), draft_s=seconds / 4)
-        return Turn(prompt_tokens=12, result=result, seconds=seconds, reply=reply)
+        return Turn(prompt_ids=list(range(12)), result=result, seconds=seconds, reply=reply)
 
     rows = [
         prompt_result(EvalPrompt("a", ["q"], "math"), [turn([3, 3], 9, 1.0, "x")], [turn([], 9, 2.0, "x")], compare),

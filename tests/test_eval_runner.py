@@ -61,7 +61,7 @@ def draft(target) -> Eagle3Draft:
 
 def turn(accepted: list[int], drafted: list[int], tokens: int, seconds: float, draft_s: float = 0.0) -> Turn:
     result = SpecResult(list(range(tokens)), 1 + len(accepted), accepted, drafted, draft_s=draft_s)
-    return Turn(prompt_tokens=10, result=result, seconds=seconds, reply="")
+    return Turn(prompt_ids=list(range(10)), result=result, seconds=seconds, reply="")
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -71,7 +71,7 @@ def test_tau_counts_each_rounds_bonus_token_but_not_the_prefill():
     """Prefill gives token 1; rounds accepting 3, 0 and 2 drafts give 4 + 1 + 3: 9 tokens, 4 target forwards,
     3 of them verifications. tau = 8 / 3, not 9 / 3 nor 9 / 4."""
     spec = SpecResult(list(range(9)), target_forwards=4, accepted_per_round=[3, 0, 2], drafted_per_round=[3, 3, 3])
-    row = prompt_result(PROMPTS[1], [Turn(20, spec, 1.0, "")], [turn([], [], 9, 2.0)], compare=True)
+    row = prompt_result(PROMPTS[1], [Turn(list(range(20)), spec, 1.0, "")], [turn([], [], 9, 2.0)], compare=True)
     assert row.rounds == 3
     assert row.acceptance_length == pytest.approx(8 / 3) == acceptance_length(3, 3 + 0 + 2)
     assert acceptance_length(0, 0) is None  # a turn that ended on its prefill token has no round
@@ -102,6 +102,30 @@ def test_set_aggregates_weigh_rounds_not_prompts():
     assert result.draft_time_share == pytest.approx(1.0 / 4.0)
     assert result.outputs_differing == 1 and not short.identical and short.greedy_replies == [""]
     assert long.identical and long.greedy_replies is None
+
+
+def test_rounds_split_by_where_prompt_lookup_matches():
+    """Two prompts' rounds, replayed by `lookup_outcomes` (test_lookup.py works them through): prompt 1 has
+    rounds (draft accepted 2, 0, 1; lookup None, 0, None), prompt 2 rounds (0, 1; None, 2). Lookup's 2 in the
+    last round counts the output's last two tokens [3, 1] against its drafts [3, 1, 2]."""
+    first = SpecResult([1, 2, 3, 1, 9, 2, 3], 4, accepted_per_round=[2, 0, 1], drafted_per_round=[3, 3, 3])
+    second = SpecResult([1, 2, 3, 1], 3, accepted_per_round=[0, 1], drafted_per_round=[2, 3])
+    greedy = [turn([], [], 4, 1.0)]
+    rows = [
+        prompt_result(PROMPTS[1], [Turn([1, 2, 3], first, 1.0, "")], greedy, compare=True, lookup=(2, 4)),
+        prompt_result(PROMPTS[2], [Turn([1, 2, 3], second, 1.0, "")], greedy, compare=True, lookup=(2, 4)),
+    ]
+    assert [row.lookup_accepted_per_round for row in rows] == [[None, 0, None], [None, 2]]
+    split = summarize("set", rows).lookup
+    assert (split.rounds, split.rounds_with_match) == (5, 2)
+    assert split.tau_with_match == pytest.approx((2 + 0 + 1) / 2)
+    assert split.lookup_tau_with_match == pytest.approx((2 + 0 + 2) / 2)
+    assert (split.lookup_ahead, split.draft_ahead) == (0.5, 0.0)
+    assert split.tau_without_match == pytest.approx((3 + 2 + 1 + 0) / 3)
+    assert split.acceptance_with_match == pytest.approx([1 / 2, 0, 0])
+    assert split.acceptance_without_match == pytest.approx([2 / 3, 1 / 3, 0])
+    unsplit = prompt_result(PROMPTS[1], [Turn([1, 2, 3], first, 1.0, "")], greedy, compare=True)
+    assert unsplit.lookup_accepted_per_round is None and summarize("set", [unsplit]).lookup is None
 
 
 def test_settings_validate_and_round_trip_as_json(tmp_path):
@@ -210,6 +234,25 @@ def test_each_decoder_continues_its_own_conversation(target, draft, monkeypatch)
     assert result.outputs_differing == 2
 
 
+def test_prompt_lookup_against_greedy_and_the_drafts_split(target, draft):
+    """With no draft, evaluate decodes with prompt lookup: greedy outputs equal, drafts accepted where the
+    FAVOURED-heavy target repeats itself. With a draft, every drafted round is replayed by lookup."""
+    prompts = [EvalPrompt("loop", ["Say it again: again and again and again and again."]), *PROMPTS[1:]]
+    settings = EvalSettings(max_new_tokens=24, warmup_prompts=0)
+    lookup = evaluate(target, None, prompts, settings)
+    assert lookup.outputs_differing == 0 and lookup.lookup is None
+    assert sum(a for row in lookup.prompts for a in row.accepted_per_round) > 0
+    drafted = evaluate(target, draft, prompts, settings)
+    assert [row.replies for row in drafted.prompts] == [row.replies for row in lookup.prompts]
+    split = drafted.lookup
+    assert split.rounds == sum(d > 0 for row in drafted.prompts for d in row.drafted_per_round)
+    assert 0 < split.rounds_with_match < split.rounds
+    with pytest.raises(ConfigError, match="prompt lookup drafts a chain"):
+        evaluate(target, None, prompts, EvalSettings(batch_size=2))
+    with pytest.raises(ConfigError, match="ngram_max: must be >= 3"):
+        EvalSettings(ngram_min=3, ngram_max=2)
+
+
 # ------------------------------------------------------------------------------------ models and the CLI
 
 
@@ -271,3 +314,22 @@ def test_cli_writes_all_three_files(tiny_llama_dir, target, draft, tmp_path):
         assert f"| {s['name']} | 2 | {s['acceptance_length']:.3f} |" in table
     assert (out / "acceptance.png").read_bytes().startswith(b"\x89PNG")
     assert "| mt | 2 |" in done.stdout
+    assert "| mt | " in table.split("Where prompt lookup")[1]  # the draft's rounds split by lookup's matches
+    assert all(
+        s["lookup"]["rounds"] == sum(d > 0 for p in s["prompts"] for d in p["drafted_per_round"])
+        for s in results["sets"]
+    )
+
+
+def test_cli_measures_prompt_lookup_and_wants_one_proposer(tiny_llama_dir, tmp_path):
+    base = [sys.executable, "-m", "wingspan", "eval", "--target", str(tiny_llama_dir), "--sets", "mt_bench"]
+    base += ["--limit", "1", "--max-new-tokens", "6", "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path)]
+    done = subprocess.run([*base, "--ngram", "--ngram-sizes", "1,3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["draft"] == "prompt lookup (ngram 1..3)"
+    assert (results["settings"]["ngram_min"], results["settings"]["ngram_max"]) == (1, 3)
+    assert results["sets"][0]["outputs_differing"] == 0 and results["sets"][0]["lookup"] is None
+    for extra, message in (([], "give a draft"), (["--ngram", "--ngram-sizes", "2"], "expected MIN,MAX")):
+        refused = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_draft_config
 
-from wingspan.decode import speculative
+from wingspan.decode import primitives, speculative
 from wingspan.decode.primitives import DraftTree, TreeShape
 from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.models.draft import Eagle3Draft, new_kv_caches
@@ -210,7 +210,7 @@ def first_child_paths_only(monkeypatch) -> list[bool]:
 @pytest.mark.parametrize(("layers", "seed", "favour"), [(1, 11, 4.0), (2, 25, 6.0)])
 def test_tree_accepts_side_branches_and_keeps_the_greedy_tokens(predictable_target, layers, seed, favour, monkeypatch):
     """A draft biased towards FAVOURED proposes it first or among its top-k: paths through side branches
-    must be accepted, and the target cache rebuilt from them (`_keep_rows`) must keep the output exact.
+    must be accepted, and the target cache rebuilt from them (`keep_rows`) must keep the output exact.
     (Seeds and biases chosen so that side paths occur; the runs are deterministic.)"""
     target = predictable_target
     draft = make_draft(target, layers, seed=seed, favour=favour)
@@ -312,7 +312,7 @@ def test_tree_verification_matches_plain_forwards(target):
         torch.testing.assert_close(logits[node + 1], plain.logits[0, -1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(aux[node + 1], plain.aux_hidden[0, -1], atol=1e-5, rtol=1e-5)
     # Accepting the side path root -> node 1 -> node 4 leaves the cache a plain forward over it would make.
-    speculative._keep_rows(cache, len(prompt) - 1, [0, 2, 5])
+    primitives.keep_rows(cache, len(prompt) - 1, [0, 2, 5])
     plain = speculative.DynamicCache()
     speculative._target_step(target, prompt + [12, 15], plain)
     assert cache.get_seq_length() == plain.get_seq_length() == len(prompt) + 2

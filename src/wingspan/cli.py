@@ -313,12 +313,36 @@ def parse_tree(text: str) -> tuple[int, int, int]:
     return depth, top_k, total
 
 
+def parse_ngram_sizes(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise typer.BadParameter(f"{text!r}: expected MIN,MAX, e.g. 2,4", param_hint="--ngram-sizes")
+    low, high = (int(p) for p in parts)
+    return low, high
+
+
 @app.command("eval")
 def evaluate_draft(
-    draft: Annotated[
-        Path, typer.Option(help="A draft directory (run/draft, a checkpoint, an import) or an export of any format.")
-    ],
     out: Annotated[Path, typer.Option(help="Output directory: results.json, results.md, acceptance.png.")],
+    draft: Annotated[
+        Path | None,
+        typer.Option(help="A draft directory (run/draft, a checkpoint, an import) or an export of any format."),
+    ] = None,
+    ngram: Annotated[
+        bool,
+        typer.Option(
+            "--ngram",
+            help="Instead of a draft: prompt lookup, the drafts that followed the context's last n-gram earlier in "
+            "it (vLLM's method ngram), the baseline a draft must beat.",
+        ),
+    ] = False,
+    ngram_sizes: Annotated[
+        str,
+        typer.Option(
+            help="MIN,MAX n-gram lengths of prompt lookup: its drafts with --ngram; with a draft, the split of the "
+            "draft's rounds by where lookup would have proposed (vLLM's prompt_lookup_min, prompt_lookup_max)."
+        ),
+    ] = "2,4",
     sets: Annotated[
         str,
         typer.Option(
@@ -359,15 +383,20 @@ def evaluate_draft(
         ),
     ] = 1,
 ) -> None:
-    """Measure a draft: acceptance length, acceptance per draft position and speedup over plain greedy
-    decoding of the same target, run side by side on each prompt. See docs/evaluation.md."""
+    """Measure a draft (or prompt lookup, --ngram): acceptance length, acceptance per draft position and speedup
+    over plain greedy decoding of the same target, run side by side on each prompt; for a draft, also its
+    acceptance where prompt lookup would have proposed and elsewhere. See docs/evaluation.md."""
     from wingspan.devices import resolve_device, use_cpu_threads
     from wingspan.eval.prompts import load_prompt_sets
     from wingspan.eval.report import markdown, write_report
     from wingspan.eval.runner import EvalSettings, evaluate, load_models
+    from wingspan.models.target import TargetModel
     from wingspan.plots import require_matplotlib
 
+    if (draft is None) == (not ngram):
+        raise typer.BadParameter("give a draft (--draft PATH) or --ngram, one of them", param_hint="--draft")
     depth, top_k, total = parse_tree(tree) if tree else (None, None, None)
+    ngram_min, ngram_max = parse_ngram_sizes(ngram_sizes)
     settings = EvalSettings(
         num_draft_tokens=num_draft_tokens,
         tree_depth=depth,
@@ -379,21 +408,27 @@ def evaluate_draft(
         limit=limit,
         warmup_prompts=warmup,
         batch_size=batch_size,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
     )
     # Everything that can fail fast does, before the models load and the decoding starts.
     require_matplotlib()
     prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit)
     where = resolve_device(device)
     use_cpu_threads(where, threads)
-    model, draft_model = load_models(
-        target, draft, dtype, where, **template_options(chat_template, chat_template_kwargs)
-    )
+    templates = template_options(chat_template, chat_template_kwargs)
+    if draft is None:
+        model, draft_model = TargetModel.load(target, dtype=dtype, device=where, **templates), None
+        proposer = f"prompt lookup (ngram {ngram_min}..{ngram_max})"
+    else:
+        model, draft_model = load_models(target, draft, dtype, where, **templates)
+        proposer = str(draft)
     results = []
     for name, prompts in prompt_sets.items():
         results.append(evaluate(model, draft_model, prompts, settings, name=name))
         # After every set: a long run that fails later keeps what it measured.
-        write_report(out, results, settings, target=target, draft=str(draft), dtype=dtype, device=where)
-    typer.echo(markdown(results, settings, target=target, draft=str(draft), dtype=dtype, device=where))
+        write_report(out, results, settings, target=target, draft=proposer, dtype=dtype, device=where)
+    typer.echo(markdown(results, settings, target=target, draft=proposer, dtype=dtype, device=where))
     typer.echo(f"wrote {out}/results.json, results.md, acceptance.png")
 
 

@@ -1,7 +1,9 @@
-"""The main job: from nothing but the embedded target to a trained, exported 2-layer draft.
+"""The main job: from nothing but the embedded target to a trained, exported 2-layer draft, measured against
+plain decoding on the first MT-bench prompts.
 
 Each stage skips work it finds done (synthesis resumes, training resumes from its last checkpoint), so
-re-running after an interruption continues where it stopped. The recipe is explained in docs/quickstart.md.
+re-running after an interruption continues where it stopped; the closing measurement runs again each time.
+The recipe is explained in docs/quickstart.md.
 """
 
 from __future__ import annotations
@@ -9,8 +11,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wingspan.config import TrainConfig, save_json
+
+if TYPE_CHECKING:
+    from wingspan.eval.runner import SetResult
+    from wingspan.models.target import TargetModel
 
 QUICKSTART_RECIPE = dict(
     target="smollm2-135m-instruct",
@@ -32,6 +39,8 @@ QUICKSTART_RECIPE = dict(
     log_every=10,
 )
 SYNTH = dict(num_conversations=360, batch_size=32, max_new_tokens=256)
+# The closing measurement: wingspan's own decoder, greedy, side by side with plain decoding, at each chain length.
+CHECK = dict(prompt_set="mt_bench", limit=10, max_new_tokens=256, chain_lengths=(1, 3))
 
 
 def run_quickstart(out: Path, device: str = "auto") -> Path:
@@ -48,10 +57,10 @@ def run_quickstart(out: Path, device: str = "auto") -> Path:
     config = TrainConfig(data=[str(data_path)], output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE)
     save_json(config, out / "train_config.json")
 
-    print(f"[1/4] target {config.target} ({config.target_dtype})")
+    print(f"[1/5] target {config.target} ({config.target_dtype})")
     target = load_target(config)
 
-    print(f"[2/4] synthesizing {SYNTH['num_conversations']} conversations with the target -> {data_path}")
+    print(f"[2/5] synthesizing {SYNTH['num_conversations']} conversations with the target -> {data_path}")
     synthesize(
         target,
         SYNTH["num_conversations"],
@@ -62,12 +71,15 @@ def run_quickstart(out: Path, device: str = "auto") -> Path:
         resume=True,
     )
 
-    print("[3/4] draft vocab and training")
+    print("[3/5] draft vocab and training")
     draft_dir = run_training(config, resume="if-any", target=target)
 
-    print("[4/4] export for vLLM")
+    print("[4/5] export for vLLM")
     export_dir = out / "vllm-draft"
     export_draft(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), export_dir, "vllm")
+
+    print(f"[5/5] measuring the export against plain decoding on {CHECK['limit']} {CHECK['prompt_set']} prompts")
+    measured = measure_draft(target, export_dir, out / "eval", config.target_dtype, **CHECK)
 
     vocab_path = Path(config.output_dir) / "vocab.safetensors"
     vocab = DraftVocab.load(vocab_path)
@@ -75,7 +87,7 @@ def run_quickstart(out: Path, device: str = "auto") -> Path:
     last = metrics[-1]
     accuracies = "  ".join(f"acc_{j}={last[f'acc_{j}']:.3f}" for j in range(config.ttt_steps))
     minutes = (time.perf_counter() - started) / 60
-    serving = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": 3})
+    serving = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": fastest(measured)})
     print(f"""
 done in {minutes:.1f} min
   conversations : {data_path}
@@ -85,5 +97,66 @@ done in {minutes:.1f} min
   vLLM export   : {export_dir}
   last per-step accuracies (TTT, teacher tokens): {accuracies}
   simulated acceptance length: {last["sim_accept_len"]:.2f}
+{measurement_lines(measured, export_dir, out / "eval", config.target_dtype, CHECK)}
 serve it:  vllm serve {resolve_target(config.target)} --speculative-config '{serving}'""")
     return export_dir
+
+
+def measure_draft(
+    target: TargetModel,
+    draft_dir: Path,
+    out: Path,
+    dtype: str,
+    *,
+    prompt_set: str,
+    limit: int,
+    max_new_tokens: int,
+    chain_lengths: tuple[int, ...],
+) -> dict[int, SetResult]:
+    """`wingspan eval` of the draft at each chain length, in-process on the loaded target (in `dtype`); each
+    report goes to out/k<K>. Returns the set's result per chain length."""
+    from wingspan.eval.prompts import load_prompt_sets
+    from wingspan.eval.report import write_report
+    from wingspan.eval.runner import EvalSettings, evaluate, load_draft
+
+    prompts = load_prompt_sets([prompt_set], limit)[prompt_set]
+    draft = load_draft(draft_dir, target)
+    measured = {}
+    for k in chain_lengths:
+        settings = EvalSettings(num_draft_tokens=k, max_new_tokens=max_new_tokens, limit=limit)
+        measured[k] = evaluate(target, draft, prompts, settings, name=f"{prompt_set}, chain of {k}")
+        write_report(
+            out / f"k{k}",
+            [measured[k]],
+            settings,
+            target=target.name,
+            draft=str(draft_dir),
+            dtype=dtype,
+            device=target.device,
+        )
+    return measured
+
+
+def fastest(measured: dict[int, SetResult]) -> int:
+    return max(measured, key=lambda k: measured[k].speedup or 0.0)
+
+
+def measurement_lines(measured: dict[int, SetResult], draft_dir: Path, out: Path, dtype: str, check: dict) -> str:
+    """What the closing measurement printed: one line per chain length, the best one, and how to measure more."""
+    lines = [
+        f"measured on the first {check['limit']} {check['prompt_set']} prompts (wingspan's decoder, greedy, up to "
+        f"{check['max_new_tokens']} new tokens, side by side with plain decoding; reports in {out}):"
+    ]
+    for k, result in measured.items():
+        acceptance = " / ".join(f"{r:.2f}" for r in result.acceptance_per_position) or "n/a"
+        tau = "n/a" if result.acceptance_length is None else f"{result.acceptance_length:.2f}"
+        speedup = "n/a" if result.speedup is None else f"{result.speedup:.2f}x"
+        lines.append(
+            f"  {k} draft token(s) per round: tau {tau}, acceptance per position {acceptance}, speedup {speedup}"
+        )
+    best = fastest(measured)
+    lines.append(
+        f"  fastest here: {best} per round. Measure more (80 prompts a set, three sets): wingspan eval --draft "
+        f"{draft_dir} --dtype {dtype} --num-draft-tokens {best} --out {out / 'full'}"
+    )
+    return "\n".join(lines)

@@ -110,6 +110,18 @@ def run_target(target: TargetModel, input_ids: torch.Tensor, cache: DynamicCache
     return model(input_ids=input_ids.to(target.device), use_cache=True, **{name: cache}, **extra)
 
 
+def keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
+    """Keep cache positions start + rows (ascending), moved to start, start + 1, ...; drop the rest."""
+    if rows != list(range(len(rows))):
+        index = torch.tensor([start + r for r in rows])
+        for layer in cache.layers:
+            layer.keys[..., start : start + len(rows), :] = layer.keys[..., index, :]
+            layer.values[..., start : start + len(rows), :] = layer.values[..., index, :]
+    excess = cache.get_seq_length() - start - len(rows)
+    if excess:  # a negative crop removes that many positions, in old and new transformers alike
+        cache.crop(-excess)
+
+
 def choose_children(
     draft: Eagle3Draft, logits: torch.Tensor, top_k: int, temperature: float, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -34,6 +34,7 @@ from wingspan.decode.primitives import (
     check_compatible,
     choose_children,
     finish,
+    keep_rows,
     pick_token,
     run_target,
     verify,
@@ -64,18 +65,6 @@ def _target_step(
     with target.capture_aux() as captured:  # the same hooks as TargetModel.forward, around a cached call
         out = run_target(target, torch.tensor([ids]), cache, **(attention or {}))
     return out.logits[0], target.aux_features(captured)[0]
-
-
-def _keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
-    """Keep cache positions start + rows (ascending), moved to start, start + 1, ...; drop the rest."""
-    if rows != list(range(len(rows))):
-        index = torch.tensor([start + r for r in rows])
-        for layer in cache.layers:
-            layer.keys[..., start : start + len(rows), :] = layer.keys[..., index, :]
-            layer.values[..., start : start + len(rows), :] = layer.values[..., index, :]
-    excess = cache.get_seq_length() - start - len(rows)
-    if excess:  # a negative crop removes that many positions, in old and new transformers alike
-        cache.crop(-excess)
 
 
 @torch.no_grad()
@@ -272,7 +261,7 @@ def speculative_generate(
         sequence += [drafts.tokens[node] for node in path] + [next_token]
         # Positions verified, verified + 1.. are now the root and the accepted path; the rest were rejected.
         rows = [0] + [node + 1 for node in path]
-        _keep_rows(target_cache, verified, rows)
+        keep_rows(target_cache, verified, rows)
         if depth > 0:
             pending_aux, first_unread = aux[rows], verified
         else:  # the draft did not run this round: its unread features carry over

@@ -115,7 +115,54 @@ def markdown(
         "run side by side; speedup = spec / greedy.",
         "",
     ]
+    split = [result for result in sets if result.lookup is not None]
+    if split:
+        sizes = f"{settings.ngram_min}..{settings.ngram_max}"
+        lines += [
+            f"Where prompt lookup (n-grams of {sizes} tokens, vLLM's `ngram` method) would have proposed drafts, on "
+            "the same outputs:",
+            "",
+            "| " + " | ".join(LOOKUP_COLUMNS) + " |",
+            "|---|" + "---:|" * (len(LOOKUP_COLUMNS) - 1),
+            *("| " + " | ".join(lookup_row(result)) + " |" for result in split),
+            "",
+            "Rounds with a match: the context before the round ends in an n-gram that occurs earlier in it. Lookup "
+            "tau: what lookup's own drafts (as many as the round had) would have given in those rounds. Lookup "
+            "ahead / draft ahead: the share of those rounds where one accepted more tokens than the other.",
+            "",
+        ]
     return "\n".join(lines)
+
+
+LOOKUP_COLUMNS = (
+    "set",
+    "rounds with a match",
+    "draft tau there",
+    "lookup tau there",
+    "lookup ahead",
+    "draft ahead",
+    "draft tau elsewhere",
+    "draft acceptance per position, match / elsewhere",
+)
+
+
+def lookup_row(result: SetResult) -> list[str]:
+    split = result.lookup
+
+    def rates(values: list[float]) -> str:
+        return " / ".join(f"{r:.2f}" for r in values) or "n/a"
+
+    share = split.rounds_with_match / split.rounds if split.rounds else None
+    return [
+        result.name,
+        f"{split.rounds_with_match} / {split.rounds} ({number(share and share * 100, 0, '%')})",
+        number(split.tau_with_match, 3),
+        number(split.lookup_tau_with_match, 3),
+        number(split.lookup_ahead and split.lookup_ahead * 100, 0, "%"),
+        number(split.draft_ahead and split.draft_ahead * 100, 0, "%"),
+        number(split.tau_without_match, 3),
+        f"{rates(split.acceptance_with_match)}; {rates(split.acceptance_without_match)}",
+    ]
 
 
 def plot_acceptance(sets: list[SetResult], path: Path) -> None:

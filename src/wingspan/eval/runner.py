@@ -35,6 +35,7 @@ from tqdm import tqdm
 from wingspan.config import DraftConfig, load, require_range
 from wingspan.data.template import chat_prompt
 from wingspan.decode.batched import plain_generate_batch, speculative_generate_batch
+from wingspan.decode.lookup import lookup_generate, lookup_outcomes
 from wingspan.decode.primitives import SpecResult, TreeShape
 from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.errors import ConfigError
@@ -64,6 +65,10 @@ class EvalSettings:
     limit: int | None = None  # the first N prompts of each set
     warmup_prompts: int = 1  # untimed runs of both decoders before measuring (batches of batch_size prompts)
     batch_size: int = 1  # prompts decoded together, by both decoders (chains only above 1)
+    # n-gram lengths of prompt lookup: the drafts of `--ngram`, and the split of a draft's rounds by where
+    # lookup would have proposed (vLLM's prompt_lookup_min / prompt_lookup_max)
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         tree = (self.tree_depth, self.tree_top_k, self.tree_total_tokens)
@@ -81,6 +86,8 @@ class EvalSettings:
         require_range("temperature", self.temperature, at_least=0)
         require_range("warmup_prompts", self.warmup_prompts, at_least=0)
         require_range("seed", self.seed, at_least=0)
+        require_range("ngram_min", self.ngram_min, at_least=1)
+        require_range("ngram_max", self.ngram_max, at_least=self.ngram_min)
 
     @property
     def tree(self) -> TreeShape | None:
@@ -93,7 +100,7 @@ class EvalSettings:
 class Turn:
     """One turn of one decoder's conversation."""
 
-    prompt_tokens: int
+    prompt_ids: list[int]
     result: SpecResult
     seconds: float  # this turn's share of the wall clock around the decoding call
     reply: str  # the decoded tokens, which the next turn's prompt carries
@@ -117,8 +124,27 @@ class PromptResult:
     greedy_s: float
     spec_draft_s: float  # of spec_s, in draft forwards
     identical: bool | None  # same tokens as greedy in every turn; None when sampling (nothing to compare)
+    # per round: the drafts prompt lookup would have proposed there that the output accepts, None where it finds
+    # no match; None as a whole when sampling or when the drafts are lookup's own (`lookup_outcomes`)
+    lookup_accepted_per_round: list[int | None] | None
     replies: list[str]
     greedy_replies: list[str] | None  # kept only where the outputs differ
+
+
+@dataclass
+class LookupSplit:
+    """A draft's rounds (those that drafted), split by whether prompt lookup would have proposed drafts there:
+    how the draft does where the context holds a repetition, and how lookup itself would have done there."""
+
+    rounds: int
+    rounds_with_match: int
+    tau_with_match: float | None  # the draft's, over the rounds where lookup has a match
+    tau_without_match: float | None
+    lookup_tau_with_match: float | None  # lookup's own, over the same rounds, as many drafts per round
+    lookup_ahead: float | None  # of the rounds with a match: the share where lookup's drafts accept more
+    draft_ahead: float | None  # ... where the draft's accept more
+    acceptance_with_match: list[float]  # the draft's acceptance per position, rounds with a match
+    acceptance_without_match: list[float]
 
 
 @dataclass
@@ -137,6 +163,7 @@ class SetResult:
     speedup: float | None  # spec tokens/s over greedy tokens/s
     draft_time_share: float | None  # of the speculative wall time, the share in draft forwards
     outputs_differing: int | None  # prompts whose tokens differ from greedy; None when sampling
+    lookup: LookupSplit | None  # None when sampling or when the drafts are lookup's own
     prompts: list[PromptResult]
 
 
@@ -147,14 +174,24 @@ def rate(tokens: int, seconds: float) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
-def prompt_result(prompt: EvalPrompt, spec: list[Turn], greedy: list[Turn], compare: bool) -> PromptResult:
-    """One prompt's row, from the turns of each decoder (`compare`: greedy decoding, outputs must agree)."""
+def prompt_result(
+    prompt: EvalPrompt,
+    spec: list[Turn],
+    greedy: list[Turn],
+    compare: bool,
+    lookup: tuple[int, int] | None = None,
+) -> PromptResult:
+    """One prompt's row, from the turns of each decoder (`compare`: greedy decoding, outputs must agree;
+    `lookup`: the n-gram lengths for `lookup_outcomes`, None not to split)."""
     accepted = [a for turn in spec for a in turn.result.accepted_per_round]
     identical = all(s.result.tokens == g.result.tokens for s, g in zip(spec, greedy)) if compare else None
+    outcomes = None
+    if lookup is not None:
+        outcomes = [o for turn in spec for o in lookup_outcomes(turn.prompt_ids, turn.result, *lookup)]
     return PromptResult(
         id=prompt.id,
         category=prompt.category,
-        prompt_tokens=[turn.prompt_tokens for turn in spec],
+        prompt_tokens=[len(turn.prompt_ids) for turn in spec],
         new_tokens=sum(len(turn.result.tokens) for turn in spec),
         greedy_new_tokens=sum(len(turn.result.tokens) for turn in greedy),
         rounds=len(accepted),
@@ -165,8 +202,39 @@ def prompt_result(prompt: EvalPrompt, spec: list[Turn], greedy: list[Turn], comp
         greedy_s=sum(turn.seconds for turn in greedy),
         spec_draft_s=sum(turn.result.draft_s * turn.share for turn in spec),
         identical=identical,
+        lookup_accepted_per_round=outcomes,
         replies=[turn.reply for turn in spec],
         greedy_replies=None if identical in (True, None) else [turn.reply for turn in greedy],
+    )
+
+
+def lookup_split(rows: list[PromptResult]) -> LookupSplit | None:
+    if any(row.lookup_accepted_per_round is None for row in rows):
+        return None
+    rounds = [
+        (accepted, drafted, lookup)
+        for row in rows
+        for accepted, drafted, lookup in zip(
+            row.accepted_per_round, row.drafted_per_round, row.lookup_accepted_per_round, strict=True
+        )
+        if drafted
+    ]
+    matched = [r for r in rounds if r[2] is not None]
+    unmatched = [r for r in rounds if r[2] is None]
+
+    def share(count: int) -> float | None:
+        return count / len(matched) if matched else None
+
+    return LookupSplit(
+        rounds=len(rounds),
+        rounds_with_match=len(matched),
+        tau_with_match=acceptance_length(len(matched), sum(r[0] for r in matched)),
+        tau_without_match=acceptance_length(len(unmatched), sum(r[0] for r in unmatched)),
+        lookup_tau_with_match=acceptance_length(len(matched), sum(r[2] for r in matched)),
+        lookup_ahead=share(sum(r[2] > r[0] for r in matched)),
+        draft_ahead=share(sum(r[0] > r[2] for r in matched)),
+        acceptance_with_match=acceptance_per_position([r[0] for r in matched], [r[1] for r in matched]),
+        acceptance_without_match=acceptance_per_position([r[0] for r in unmatched], [r[1] for r in unmatched]),
     )
 
 
@@ -193,6 +261,7 @@ def summarize(name: str, rows: list[PromptResult]) -> SetResult:
         speedup=spec_rate / greedy_rate if spec_rate and greedy_rate else None,
         draft_time_share=sum(row.spec_draft_s for row in rows) / spec_s if spec_s > 0 else None,
         outputs_differing=compared.count(False) if compared else None,
+        lookup=lookup_split(rows) if rows else None,
         prompts=rows,
     )
 
@@ -224,18 +293,26 @@ def run_conversations(
         for i, ids, result in zip(asking, prompts, results, strict=True):
             reply = target.tokenizer.decode(result.tokens)
             messages[i].append({"role": "assistant", "content": reply})
-            done[i].append(Turn(len(ids), result, seconds, reply, share))
+            done[i].append(Turn(ids, result, seconds, reply, share))
     return done
 
 
-def decoders(target: TargetModel, draft: Eagle3Draft, settings: EvalSettings) -> tuple[Decoder, Decoder]:
-    """(speculative, plain) for the settings: one prompt at a time (chain or tree), or batches of chains. At
-    temperature > 0 the plain baseline samples too, so that the speedup compares like with like."""
+def decoders(target: TargetModel, draft: Eagle3Draft | None, settings: EvalSettings) -> tuple[Decoder, Decoder]:
+    """(speculative, plain) for the settings: one prompt at a time (chain or tree), or batches of chains; with
+    no draft, prompt lookup's chains. At temperature > 0 the plain baseline samples too, so that the speedup
+    compares like with like."""
     k, tree, temperature = settings.num_draft_tokens, settings.tree, settings.temperature
     if settings.batch_size == 1:
 
         def speculative(prompts, max_new_tokens, generator):
             (ids,) = prompts
+            if draft is None:
+                sizes = (settings.ngram_min, settings.ngram_max)
+                return [
+                    lookup_generate(
+                        target, ids, max_new_tokens, k, *sizes, temperature=temperature, generator=generator
+                    )
+                ]
             return [
                 speculative_generate(
                     target, draft, ids, max_new_tokens, k, tree=tree, temperature=temperature, generator=generator
@@ -260,11 +337,18 @@ def decoders(target: TargetModel, draft: Eagle3Draft, settings: EvalSettings) ->
 
 
 def evaluate(
-    target: TargetModel, draft: Eagle3Draft, prompts: list[EvalPrompt], settings: EvalSettings, name: str = "prompts"
+    target: TargetModel,
+    draft: Eagle3Draft | None,
+    prompts: list[EvalPrompt],
+    settings: EvalSettings,
+    name: str = "prompts",
 ) -> SetResult:
-    """Decode every prompt with the draft and without it, side by side, `settings.batch_size` prompts at a
-    time, and measure (see the module docstring)."""
+    """Decode every prompt with the draft (None: prompt lookup) and without it, side by side,
+    `settings.batch_size` prompts at a time, and measure (see the module docstring)."""
     sampling = settings.temperature > 0
+    if draft is None and (settings.batch_size > 1 or settings.tree is not None):
+        raise ConfigError("prompt lookup drafts a chain, one prompt at a time: no tree, batch_size 1")
+    split = None if sampling or draft is None else (settings.ngram_min, settings.ngram_max)
     speculative, plain = decoders(target, draft, settings)
     size = settings.batch_size
     batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
@@ -291,7 +375,7 @@ def evaluate(
             turns = [p.turns for p in batch]
             runs[which] = run_conversations(target, decode, turns, settings.max_new_tokens, sampler(batch))
         for prompt, spec, greedy in zip(batch, runs["spec"], runs["plain"]):
-            rows.append(prompt_result(prompt, spec, greedy, compare=not sampling))
+            rows.append(prompt_result(prompt, spec, greedy, compare=not sampling, lookup=split))
         so_far = summarize(name, rows)
         progress.update(len(batch))
         progress.set_postfix(tau=f"{so_far.acceptance_length or 0:.2f}", speedup=f"{so_far.speedup or 0:.2f}")
