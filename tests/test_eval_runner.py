@@ -124,6 +124,12 @@ def test_rounds_split_by_where_prompt_lookup_matches():
     assert split.tau_without_match == pytest.approx((3 + 2 + 1 + 0) / 3)
     assert split.acceptance_with_match == pytest.approx([1 / 2, 0, 0])
     assert split.acceptance_without_match == pytest.approx([2 / 3, 1 / 3, 0])
+    # Lookup decoding replayed on the same outputs, chains of 3: prompt 1 runs rounds (accepted of drafted) 0 of 0
+    # ([1, 2, 3, 1] has no match), 2 of 3 ([3, 1, 2] against [3, 1, 9]), 0 of 0 and 0 of 0 (the last token);
+    # prompt 2 runs 0 of 0, then 1 of 1 ([3] as the last token). 9 tokens in 6 rounds.
+    assert [row.lookup_replay_accepted_per_round for row in rows] == [[0, 2, 0, 0], [0, 1]]
+    assert [row.lookup_replay_drafted_per_round for row in rows] == [[0, 3, 0, 0], [0, 1]]
+    assert split.lookup_tau == pytest.approx(9 / 6) and split.lookup_acceptance == pytest.approx([1, 1, 0])
     unsplit = prompt_result(PROMPTS[1], [Turn([1, 2, 3], first, 1.0, "")], greedy, compare=True)
     assert unsplit.lookup_accepted_per_round is None and summarize("set", [unsplit]).lookup is None
 

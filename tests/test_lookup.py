@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_speculative import PROMPTS, chi_square_p_value, exact_distribution, predictable_target, small_target  # noqa: F401
 
-from wingspan.decode.lookup import lookup_drafts, lookup_generate, lookup_outcomes
+from wingspan.decode.lookup import lookup_drafts, lookup_generate, lookup_outcomes, lookup_replay
 from wingspan.decode.primitives import SpecResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,6 +77,9 @@ def test_lookup_decoding_gives_the_greedy_tokens(predictable_target, k):
         assert all(0 <= a <= d <= k for a, d in zip(result.accepted_per_round, result.drafted_per_round))
         accepted += sum(result.accepted_per_round)
         rejected += sum(a < d for a, d in zip(result.accepted_per_round, result.drafted_per_round))
+        # replayed on the output alone, without the target: the same rounds
+        replayed = lookup_replay(prompt, result.tokens, k, 2, 4)
+        assert replayed == (result.accepted_per_round, result.drafted_per_round)
     assert accepted > 5 and rejected > 5
 
 

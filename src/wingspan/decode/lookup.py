@@ -7,6 +7,8 @@ after it (fewer where the context ends first). `lookup_generate` decodes with it
 drafts as a chain in one target forward; a round without a match is a plain target step. `lookup_outcomes`
 asks, round by round of another decoder's output, what lookup would have proposed there and how much of it
 the output accepts: where a draft falls short of lookup, it misses a repetition that the context shows.
+`lookup_replay` decodes a known greedy output with lookup's drafts without the target: the rounds that
+`lookup_generate` would run on it.
 """
 
 from __future__ import annotations
@@ -106,3 +108,23 @@ def lookup_outcomes(prompt_ids: list[int], result: SpecResult, min_n: int, max_n
             outcomes.append(None)
         position += accepted + 1
     return outcomes
+
+
+def lookup_replay(
+    prompt_ids: list[int], tokens: list[int], num_draft_tokens: int, min_n: int, max_n: int
+) -> tuple[list[int], list[int]]:
+    """(accepted, drafted) per round of greedy lookup decoding whose output is `tokens`: any greedy decoder's
+    output is the target's, so these are `lookup_generate`'s rounds, bar the last one of an output that ended
+    on a stop token (which is not in `tokens`: lookup could have drafted it)."""
+    context = list(prompt_ids) + tokens
+    position = len(prompt_ids) + 1
+    accepted_per_round, drafted_per_round = [], []
+    while position < len(context):
+        depth = min(num_draft_tokens, len(context) - position - 1)
+        drafts = lookup_drafts(context[:position], depth, min_n, max_n) if depth > 0 else []
+        following = context[position : position + len(drafts)]
+        accepted = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(drafts))
+        accepted_per_round.append(accepted)
+        drafted_per_round.append(len(drafts))
+        position += accepted + 1
+    return accepted_per_round, drafted_per_round

@@ -128,7 +128,8 @@ def markdown(
             "",
             "Rounds with a match: the context before the round ends in an n-gram that occurs earlier in it. Lookup "
             "tau: what lookup's own drafts (as many as the round had) would have given in those rounds. Lookup "
-            "ahead / draft ahead: the share of those rounds where one accepted more tokens than the other.",
+            "ahead / draft ahead: the share of those rounds where one accepted more tokens than the other. Lookup "
+            "decoding tau: greedy lookup decoding of the same outputs, every round (`--ngram` without the clock).",
             "",
         ]
     return "\n".join(lines)
@@ -142,7 +143,8 @@ LOOKUP_COLUMNS = (
     "lookup ahead",
     "draft ahead",
     "draft tau elsewhere",
-    "draft acceptance per position, match / elsewhere",
+    "draft acceptance per position, match; elsewhere",
+    "lookup decoding tau",
 )
 
 
@@ -162,6 +164,7 @@ def lookup_row(result: SetResult) -> list[str]:
         number(split.draft_ahead and split.draft_ahead * 100, 0, "%"),
         number(split.tau_without_match, 3),
         f"{rates(split.acceptance_with_match)}; {rates(split.acceptance_without_match)}",
+        number(split.lookup_tau, 3),
     ]
 
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from wingspan.config import DraftConfig, load, require_range
 from wingspan.data.template import chat_prompt
 from wingspan.decode.batched import plain_generate_batch, speculative_generate_batch
-from wingspan.decode.lookup import lookup_generate, lookup_outcomes
+from wingspan.decode.lookup import lookup_generate, lookup_outcomes, lookup_replay
 from wingspan.decode.primitives import SpecResult, TreeShape
 from wingspan.decode.speculative import plain_generate, speculative_generate
 from wingspan.errors import ConfigError
@@ -127,6 +127,9 @@ class PromptResult:
     # per round: the drafts prompt lookup would have proposed there that the output accepts, None where it finds
     # no match; None as a whole when sampling or when the drafts are lookup's own (`lookup_outcomes`)
     lookup_accepted_per_round: list[int | None] | None
+    # greedy lookup decoding of the same outputs (`lookup_replay`), chains as long as the draft's; None as above
+    lookup_replay_accepted_per_round: list[int] | None
+    lookup_replay_drafted_per_round: list[int] | None
     replies: list[str]
     greedy_replies: list[str] | None  # kept only where the outputs differ
 
@@ -145,6 +148,9 @@ class LookupSplit:
     draft_ahead: float | None  # ... where the draft's accept more
     acceptance_with_match: list[float]  # the draft's acceptance per position, rounds with a match
     acceptance_without_match: list[float]
+    # greedy lookup decoding of the same outputs, every round (a round without a match is a plain step)
+    lookup_tau: float | None
+    lookup_acceptance: list[float]
 
 
 @dataclass
@@ -185,9 +191,13 @@ def prompt_result(
     `lookup`: the n-gram lengths for `lookup_outcomes`, None not to split)."""
     accepted = [a for turn in spec for a in turn.result.accepted_per_round]
     identical = all(s.result.tokens == g.result.tokens for s, g in zip(spec, greedy)) if compare else None
-    outcomes = None
+    outcomes = replayed_accepted = replayed_drafted = None
     if lookup is not None:
         outcomes = [o for turn in spec for o in lookup_outcomes(turn.prompt_ids, turn.result, *lookup)]
+        chain = max((d for turn in spec for d in turn.result.drafted_per_round), default=1)
+        replays = [lookup_replay(turn.prompt_ids, turn.result.tokens, chain, *lookup) for turn in spec]
+        replayed_accepted = [a for accepted, _ in replays for a in accepted]
+        replayed_drafted = [d for _, drafted in replays for d in drafted]
     return PromptResult(
         id=prompt.id,
         category=prompt.category,
@@ -203,6 +213,8 @@ def prompt_result(
         spec_draft_s=sum(turn.result.draft_s * turn.share for turn in spec),
         identical=identical,
         lookup_accepted_per_round=outcomes,
+        lookup_replay_accepted_per_round=replayed_accepted,
+        lookup_replay_drafted_per_round=replayed_drafted,
         replies=[turn.reply for turn in spec],
         greedy_replies=None if identical in (True, None) else [turn.reply for turn in greedy],
     )
@@ -225,6 +237,9 @@ def lookup_split(rows: list[PromptResult]) -> LookupSplit | None:
     def share(count: int) -> float | None:
         return count / len(matched) if matched else None
 
+    replayed_accepted = [a for row in rows for a in row.lookup_replay_accepted_per_round]
+    replayed_drafted = [d for row in rows for d in row.lookup_replay_drafted_per_round]
+
     return LookupSplit(
         rounds=len(rounds),
         rounds_with_match=len(matched),
@@ -235,6 +250,8 @@ def lookup_split(rows: list[PromptResult]) -> LookupSplit | None:
         draft_ahead=share(sum(r[0] > r[2] for r in matched)),
         acceptance_with_match=acceptance_per_position([r[0] for r in matched], [r[1] for r in matched]),
         acceptance_without_match=acceptance_per_position([r[0] for r in unmatched], [r[1] for r in unmatched]),
+        lookup_tau=acceptance_length(len(replayed_accepted), sum(replayed_accepted)),
+        lookup_acceptance=acceptance_per_position(replayed_accepted, replayed_drafted),
     )
 
 
