@@ -259,6 +259,12 @@ def test_prompt_lookup_against_greedy_and_the_drafts_split(target, draft):
         EvalSettings(ngram_min=3, ngram_max=2)
 
 
+def test_first_turns_only(target, draft):
+    settings = EvalSettings(max_new_tokens=4, warmup_prompts=0, first_turns=True)
+    result = evaluate(target, draft, PROMPTS[:1], settings)
+    assert [len(row.prompt_tokens) for row in result.prompts] == [1] and len(PROMPTS[0].turns) == 2
+
+
 # ------------------------------------------------------------------------------------ models and the CLI
 
 

@@ -20,12 +20,16 @@ def test_the_closing_measurement_reports_each_chain_length(target, draft, tmp_pa
     for k, result in measured.items():
         saved = json.loads((tmp_path / "eval" / f"k{k}" / "results.json").read_text())
         assert saved["settings"]["num_draft_tokens"] == k and saved["sets"][0]["num_prompts"] == 2
+        assert saved["settings"]["first_turns"] and [len(p["prompt_tokens"]) for p in saved["sets"][0]["prompts"]] == [
+            1,
+            1,
+        ]
         assert saved["sets"][0]["acceptance_length"] == result.acceptance_length
         assert result.outputs_differing == 0 and len(result.acceptance_per_position) == k
     text = measurement_lines(measured, tmp_path / "vllm-draft", tmp_path / "eval", "float32", check)
     best = fastest(measured)
     assert measured[best].speedup == max(r.speedup for r in measured.values())
     assert f"fastest here: {best} per round" in text
-    assert f"--num-draft-tokens {best} --out {tmp_path / 'eval' / 'full'}" in text
+    assert f"--num-draft-tokens {best} --first-turns --out {tmp_path / 'eval' / 'full'}" in text
     for k, result in measured.items():
         assert f"  {k} draft token(s) per round: tau {result.acceptance_length:.2f}" in text

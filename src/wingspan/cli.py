@@ -362,6 +362,9 @@ def evaluate_draft(
         float, typer.Option(help="0 = greedy (outputs must equal the baseline's); above, both decoders sample.")
     ] = 0.0,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts of each set.")] = None,
+    first_turns: Annotated[
+        bool, typer.Option(help="Ask only each prompt's first turn (MT-bench has two), as vLLM's referee does.")
+    ] = False,
     dtype: Annotated[
         str,
         typer.Option(
@@ -406,6 +409,7 @@ def evaluate_draft(
         temperature=temperature,
         seed=seed,
         limit=limit,
+        first_turns=first_turns,
         warmup_prompts=warmup,
         batch_size=batch_size,
         ngram_min=ngram_min,

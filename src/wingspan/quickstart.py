@@ -78,7 +78,7 @@ def run_quickstart(out: Path, device: str = "auto") -> Path:
     export_dir = out / "vllm-draft"
     export_draft(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), export_dir, "vllm")
 
-    print(f"[5/5] measuring the export against plain decoding on {CHECK['limit']} {CHECK['prompt_set']} prompts")
+    print(f"[5/5] measuring the export against plain decoding on {CHECK['limit']} {CHECK['prompt_set']} first turns")
     measured = measure_draft(target, export_dir, out / "eval", config.target_dtype, **CHECK)
 
     vocab_path = Path(config.output_dir) / "vocab.safetensors"
@@ -113,8 +113,8 @@ def measure_draft(
     max_new_tokens: int,
     chain_lengths: tuple[int, ...],
 ) -> dict[int, SetResult]:
-    """`wingspan eval` of the draft at each chain length, in-process on the loaded target (in `dtype`); each
-    report goes to out/k<K>. Returns the set's result per chain length."""
+    """`wingspan eval --first-turns` of the draft at each chain length, in-process on the loaded target (in
+    `dtype`); each report goes to out/k<K>. Returns the set's result per chain length."""
     from wingspan.eval.prompts import load_prompt_sets
     from wingspan.eval.report import write_report
     from wingspan.eval.runner import EvalSettings, evaluate, load_draft
@@ -123,7 +123,7 @@ def measure_draft(
     draft = load_draft(draft_dir, target)
     measured = {}
     for k in chain_lengths:
-        settings = EvalSettings(num_draft_tokens=k, max_new_tokens=max_new_tokens, limit=limit)
+        settings = EvalSettings(num_draft_tokens=k, max_new_tokens=max_new_tokens, limit=limit, first_turns=True)
         measured[k] = evaluate(target, draft, prompts, settings, name=f"{prompt_set}, chain of {k}")
         write_report(
             out / f"k{k}",
@@ -144,8 +144,8 @@ def fastest(measured: dict[int, SetResult]) -> int:
 def measurement_lines(measured: dict[int, SetResult], draft_dir: Path, out: Path, dtype: str, check: dict) -> str:
     """What the closing measurement printed: one line per chain length, the best one, and how to measure more."""
     lines = [
-        f"measured on the first {check['limit']} {check['prompt_set']} prompts (wingspan's decoder, greedy, up to "
-        f"{check['max_new_tokens']} new tokens, side by side with plain decoding; reports in {out}):"
+        f"measured on the first turns of {check['limit']} {check['prompt_set']} prompts (wingspan's decoder, greedy, "
+        f"up to {check['max_new_tokens']} new tokens, side by side with plain decoding; reports in {out}):"
     ]
     for k, result in measured.items():
         acceptance = " / ".join(f"{r:.2f}" for r in result.acceptance_per_position) or "n/a"
@@ -157,6 +157,6 @@ def measurement_lines(measured: dict[int, SetResult], draft_dir: Path, out: Path
     best = fastest(measured)
     lines.append(
         f"  fastest here: {best} per round. Measure more (80 prompts a set, three sets): wingspan eval --draft "
-        f"{draft_dir} --dtype {dtype} --num-draft-tokens {best} --out {out / 'full'}"
+        f"{draft_dir} --dtype {dtype} --num-draft-tokens {best} --first-turns --out {out / 'full'}"
     )
     return "\n".join(lines)

@@ -63,6 +63,7 @@ class EvalSettings:
     temperature: float = 0.0  # 0: greedy; above, both decoders sample (outputs are then not compared)
     seed: int = 0  # with the prompt id, seeds each prompt's sampling
     limit: int | None = None  # the first N prompts of each set
+    first_turns: bool = False  # ask only each prompt's first turn (as vLLM's referee and most published figures do)
     warmup_prompts: int = 1  # untimed runs of both decoders before measuring (batches of batch_size prompts)
     batch_size: int = 1  # prompts decoded together, by both decoders (chains only above 1)
     # n-gram lengths of prompt lookup: the drafts of `--ngram`, and the split of a draft's rounds by where
@@ -389,7 +390,7 @@ def evaluate(
         order = ("spec", "plain") if index % 2 == 0 else ("plain", "spec")
         for which in order:
             decode = speculative if which == "spec" else plain
-            turns = [p.turns for p in batch]
+            turns = [p.turns[:1] if settings.first_turns else p.turns for p in batch]
             runs[which] = run_conversations(target, decode, turns, settings.max_new_tokens, sampler(batch))
         for prompt, spec, greedy in zip(batch, runs["spec"], runs["plain"]):
             rows.append(prompt_result(prompt, spec, greedy, compare=not sampling, lookup=split))
