@@ -112,8 +112,8 @@ def test_rounds_split_by_where_prompt_lookup_matches():
     second = SpecResult([1, 2, 3, 1], 3, accepted_per_round=[0, 1], drafted_per_round=[2, 3])
     greedy = [turn([], [], 4, 1.0)]
     rows = [
-        prompt_result(PROMPTS[1], [Turn([1, 2, 3], first, 1.0, "")], greedy, compare=True, lookup=(2, 4)),
-        prompt_result(PROMPTS[2], [Turn([1, 2, 3], second, 1.0, "")], greedy, compare=True, lookup=(2, 4)),
+        prompt_result(PROMPTS[1], [Turn([1, 2, 3], first, 1.0, "")], greedy, True, (2, 4), 3),
+        prompt_result(PROMPTS[2], [Turn([1, 2, 3], second, 1.0, "")], greedy, True, (2, 4), 3),
     ]
     assert [row.lookup_accepted_per_round for row in rows] == [[None, 0, None], [None, 2]]
     split = summarize("set", rows).lookup
@@ -130,6 +130,7 @@ def test_rounds_split_by_where_prompt_lookup_matches():
     assert [row.lookup_replay_accepted_per_round for row in rows] == [[0, 2, 0, 0], [0, 1]]
     assert [row.lookup_replay_drafted_per_round for row in rows] == [[0, 3, 0, 0], [0, 1]]
     assert split.lookup_tau == pytest.approx(9 / 6) and split.lookup_acceptance == pytest.approx([1, 1, 0])
+    assert split.lookup_tau_where_proposed == pytest.approx((2 + 3) / 2)  # the two rounds that drafted
     unsplit = prompt_result(PROMPTS[1], [Turn([1, 2, 3], first, 1.0, "")], greedy, compare=True)
     assert unsplit.lookup_accepted_per_round is None and summarize("set", [unsplit]).lookup is None
 
@@ -342,6 +343,14 @@ def test_cli_measures_prompt_lookup_and_wants_one_proposer(tiny_llama_dir, tmp_p
     assert results["draft"] == "prompt lookup (ngram 1..3)"
     assert (results["settings"]["ngram_min"], results["settings"]["ngram_max"]) == (1, 3)
     assert results["sets"][0]["outputs_differing"] == 0 and results["sets"][0]["lookup"] is None
-    for extra, message in (([], "give a draft"), (["--ngram", "--ngram-sizes", "2"], "expected MIN,MAX")):
+    refusals = (
+        ([], "error: give a draft (--draft PATH) or --ngram, one of them"),
+        (["--ngram", "--draft", str(tmp_path)], "error: give a draft (--draft PATH) or --ngram, one of them"),
+        (["--ngram", "--ngram-sizes", "2"], "error: --ngram-sizes '2': expected MIN,MAX, e.g. 2,4"),
+        (["--ngram", "--ngram-sizes", "3,2"], "error: ngram_max: must be >= 3, got 2"),
+        (["--ngram", "--batch-size", "2"], "error: prompt lookup drafts a chain, one prompt at a time"),
+    )
+    for extra, message in refusals:
         refused = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300)
-        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
+        assert refused.returncode == 2 and refused.stderr.strip().startswith(message), refused.stderr[-2000:]
+        assert refused.stderr.strip().count("\n") == 0  # one line

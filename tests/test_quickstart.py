@@ -29,7 +29,7 @@ def test_the_closing_measurement_reports_each_chain_length(target, draft, tmp_pa
     text = measurement_lines(measured, tmp_path / "vllm-draft", tmp_path / "eval", "float32", check)
     best = fastest(measured)
     assert measured[best].speedup == max(r.speedup for r in measured.values())
-    assert f"fastest here: {best} per round" in text
+    assert f"fastest in wingspan's engine here: {best} per round" in text
     assert f"--num-draft-tokens {best} --first-turns --out {tmp_path / 'eval' / 'full'}" in text
     for k, result in measured.items():
         assert f"  {k} draft token(s) per round: tau {result.acceptance_length:.2f}" in text

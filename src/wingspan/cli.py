@@ -307,16 +307,16 @@ def train(
 
 def parse_tree(text: str) -> tuple[int, int, int]:
     parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise typer.BadParameter(f"{text!r}: expected DEPTH,TOPK,TOTAL, e.g. 5,8,48", param_hint="--tree")
+    if len(parts) != 3 or not all(p.strip().isdecimal() for p in parts):
+        raise ConfigError(f"--tree {text!r}: expected DEPTH,TOPK,TOTAL, e.g. 5,8,48")
     depth, top_k, total = (int(p) for p in parts)
     return depth, top_k, total
 
 
 def parse_ngram_sizes(text: str) -> tuple[int, int]:
     parts = text.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise typer.BadParameter(f"{text!r}: expected MIN,MAX, e.g. 2,4", param_hint="--ngram-sizes")
+    if len(parts) != 2 or not all(p.strip().isdecimal() for p in parts):
+        raise ConfigError(f"--ngram-sizes {text!r}: expected MIN,MAX, e.g. 2,4")
     low, high = (int(p) for p in parts)
     return low, high
 
@@ -363,7 +363,10 @@ def evaluate_draft(
     ] = 0.0,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts of each set.")] = None,
     first_turns: Annotated[
-        bool, typer.Option(help="Ask only each prompt's first turn (MT-bench has two), as vLLM's referee does.")
+        bool,
+        typer.Option(
+            "--first-turns", help="Ask only each prompt's first turn (MT-bench has two), as vLLM's referee does."
+        ),
     ] = False,
     dtype: Annotated[
         str,
@@ -392,12 +395,12 @@ def evaluate_draft(
     from wingspan.devices import resolve_device, use_cpu_threads
     from wingspan.eval.prompts import load_prompt_sets
     from wingspan.eval.report import markdown, write_report
-    from wingspan.eval.runner import EvalSettings, evaluate, load_models
+    from wingspan.eval.runner import EvalSettings, evaluate, load_models, require_lookup_settings
     from wingspan.models.target import TargetModel
     from wingspan.plots import require_matplotlib
 
     if (draft is None) == (not ngram):
-        raise typer.BadParameter("give a draft (--draft PATH) or --ngram, one of them", param_hint="--draft")
+        raise ConfigError("give a draft (--draft PATH) or --ngram, one of them")
     depth, top_k, total = parse_tree(tree) if tree else (None, None, None)
     ngram_min, ngram_max = parse_ngram_sizes(ngram_sizes)
     settings = EvalSettings(
@@ -415,6 +418,8 @@ def evaluate_draft(
         ngram_min=ngram_min,
         ngram_max=ngram_max,
     )
+    if ngram:
+        require_lookup_settings(settings)
     # Everything that can fail fast does, before the models load and the decoding starts.
     require_matplotlib()
     prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit)

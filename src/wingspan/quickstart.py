@@ -156,7 +156,7 @@ def measurement_lines(measured: dict[int, SetResult], draft_dir: Path, out: Path
         )
     best = fastest(measured)
     lines.append(
-        f"  fastest here: {best} per round. Measure more (80 prompts a set, three sets): wingspan eval --draft "
-        f"{draft_dir} --dtype {dtype} --num-draft-tokens {best} --first-turns --out {out / 'full'}"
+        f"  fastest in wingspan's engine here: {best} per round. Measure more (80 prompts a set, three sets): wingspan "
+        f"eval --draft {draft_dir} --dtype {dtype} --num-draft-tokens {best} --first-turns --out {out / 'full'}"
     )
     return "\n".join(lines)

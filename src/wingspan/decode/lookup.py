@@ -25,6 +25,8 @@ from wingspan.models.target import TargetModel
 def lookup_drafts(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the earliest earlier occurrence of the longest suffix of `tokens` of
     min_n..max_n tokens; [] when no such suffix occurs earlier."""
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"n-gram sizes: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
@@ -61,6 +63,10 @@ def lookup_generate(
     """Speculative decoding with prompt lookup drafts: at temperature 0 the target's greedy decoding, above it
     a sample of its distribution (each draft is a proposal with q = 1, as a tree's children are)."""
     started = time.perf_counter()
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens: must be >= 1, got {num_draft_tokens}")
+    if not prompt_ids:
+        raise ValueError("prompt_ids: at least one token is needed")
     stops = set(target.eos_token_ids if stop_ids is None else stop_ids)
     if max_new_tokens <= 0:
         return SpecResult([], 0)
@@ -90,6 +96,11 @@ def lookup_generate(
         keep_rows(cache, verified, list(range(1 + len(path))))  # a chain's accepted rows are its first ones
 
 
+def agreeing(drafts: list[int], output: list[int]) -> int:
+    """How many drafts, from the first, equal the output's tokens (as far as the output goes)."""
+    return next((i for i, (a, b) in enumerate(zip(drafts, output)) if a != b), min(len(drafts), len(output)))
+
+
 def lookup_outcomes(prompt_ids: list[int], result: SpecResult, min_n: int, max_n: int) -> list[int | None]:
     """For each round of `result` (a decoding of `prompt_ids`), the drafts lookup would have proposed there
     (as many as the round drafted) that the output accepts; None where lookup finds no match or the round
@@ -101,9 +112,7 @@ def lookup_outcomes(prompt_ids: list[int], result: SpecResult, min_n: int, max_n
     for accepted, drafted in zip(result.accepted_per_round, result.drafted_per_round, strict=True):
         drafts = lookup_drafts(context[:position], drafted, min_n, max_n) if drafted else []
         if drafts:
-            following = context[position : position + len(drafts)]
-            agreeing = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(following))
-            outcomes.append(agreeing)
+            outcomes.append(agreeing(drafts, context[position:]))
         else:
             outcomes.append(None)
         position += accepted + 1
@@ -122,8 +131,7 @@ def lookup_replay(
     while position < len(context):
         depth = min(num_draft_tokens, len(context) - position - 1)
         drafts = lookup_drafts(context[:position], depth, min_n, max_n) if depth > 0 else []
-        following = context[position : position + len(drafts)]
-        accepted = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(drafts))
+        accepted = agreeing(drafts, context[position:])
         accepted_per_round.append(accepted)
         drafted_per_round.append(len(drafts))
         position += accepted + 1

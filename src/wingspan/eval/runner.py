@@ -12,7 +12,9 @@ carries 1/N of every call's time.
 Metrics (docs/evaluation.md has the full story):
 - acceptance length tau: tokens per verification round, sum(accepted + 1) / rounds: the accepted drafts plus
   the target's own ("bonus") token. The prefill forward verifies nothing and its token is not counted, so tau
-  is vLLM's `1 + accepted / drafts`. Over a set: all tokens / all rounds, not a mean of per-prompt ratios;
+  is vLLM's `1 + accepted / drafts` for a draft model. For prompt lookup a round without a match counts (it
+  is a target forward that yields one token); vLLM counts only the steps that drafted. Over a set: all
+  tokens / all rounds, not a mean of per-prompt ratios;
 - acceptance per draft position j: of the rounds that proposed at least j + 1 drafts, the share that
   accepted more than j of them;
 - tokens/s of each decoder over the whole set (wall clock around each decoding call, prefill included), and
@@ -152,6 +154,7 @@ class LookupSplit:
     # greedy lookup decoding of the same outputs, every round (a round without a match is a plain step)
     lookup_tau: float | None
     lookup_acceptance: list[float]
+    lookup_tau_where_proposed: float | None  # ... over the rounds that drafted, as vLLM counts its ngram steps
 
 
 @dataclass
@@ -186,17 +189,18 @@ def prompt_result(
     spec: list[Turn],
     greedy: list[Turn],
     compare: bool,
-    lookup: tuple[int, int] | None = None,
+    ngram_sizes: tuple[int, int] | None = None,
+    chain_length: int = 1,
 ) -> PromptResult:
     """One prompt's row, from the turns of each decoder (`compare`: greedy decoding, outputs must agree;
-    `lookup`: the n-gram lengths for `lookup_outcomes`, None not to split)."""
+    `ngram_sizes`: split the rounds by lookup's matches and replay lookup with chains of `chain_length`, the
+    draft's drafts per round; None not to)."""
     accepted = [a for turn in spec for a in turn.result.accepted_per_round]
     identical = all(s.result.tokens == g.result.tokens for s, g in zip(spec, greedy)) if compare else None
     outcomes = replayed_accepted = replayed_drafted = None
-    if lookup is not None:
-        outcomes = [o for turn in spec for o in lookup_outcomes(turn.prompt_ids, turn.result, *lookup)]
-        chain = max((d for turn in spec for d in turn.result.drafted_per_round), default=1)
-        replays = [lookup_replay(turn.prompt_ids, turn.result.tokens, chain, *lookup) for turn in spec]
+    if ngram_sizes is not None:
+        outcomes = [o for turn in spec for o in lookup_outcomes(turn.prompt_ids, turn.result, *ngram_sizes)]
+        replays = [lookup_replay(turn.prompt_ids, turn.result.tokens, chain_length, *ngram_sizes) for turn in spec]
         replayed_accepted = [a for accepted, _ in replays for a in accepted]
         replayed_drafted = [d for _, drafted in replays for d in drafted]
     return PromptResult(
@@ -252,6 +256,9 @@ def lookup_split(rows: list[PromptResult]) -> LookupSplit | None:
         acceptance_with_match=acceptance_per_position([r[0] for r in matched], [r[1] for r in matched]),
         acceptance_without_match=acceptance_per_position([r[0] for r in unmatched], [r[1] for r in unmatched]),
         lookup_tau=acceptance_length(len(replayed_accepted), sum(replayed_accepted)),
+        lookup_tau_where_proposed=acceptance_length(
+            sum(d > 0 for d in replayed_drafted), sum(a for a, d in zip(replayed_accepted, replayed_drafted) if d)
+        ),
         lookup_acceptance=acceptance_per_position(replayed_accepted, replayed_drafted),
     )
 
@@ -354,6 +361,12 @@ def decoders(target: TargetModel, draft: Eagle3Draft | None, settings: EvalSetti
     return speculative_batch, plain_batch
 
 
+def require_lookup_settings(settings: EvalSettings) -> None:
+    """Prompt lookup decodes chains, one prompt at a time."""
+    if settings.batch_size > 1 or settings.tree is not None:
+        raise ConfigError("prompt lookup drafts a chain, one prompt at a time: no tree, batch_size 1")
+
+
 def evaluate(
     target: TargetModel,
     draft: Eagle3Draft | None,
@@ -364,9 +377,10 @@ def evaluate(
     """Decode every prompt with the draft (None: prompt lookup) and without it, side by side,
     `settings.batch_size` prompts at a time, and measure (see the module docstring)."""
     sampling = settings.temperature > 0
-    if draft is None and (settings.batch_size > 1 or settings.tree is not None):
-        raise ConfigError("prompt lookup drafts a chain, one prompt at a time: no tree, batch_size 1")
-    split = None if sampling or draft is None else (settings.ngram_min, settings.ngram_max)
+    if draft is None:
+        require_lookup_settings(settings)
+    ngram_sizes = None if sampling or draft is None else (settings.ngram_min, settings.ngram_max)
+    chain_length = settings.tree.depth if settings.tree else settings.num_draft_tokens
     speculative, plain = decoders(target, draft, settings)
     size = settings.batch_size
     batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
@@ -393,7 +407,7 @@ def evaluate(
             turns = [p.turns[:1] if settings.first_turns else p.turns for p in batch]
             runs[which] = run_conversations(target, decode, turns, settings.max_new_tokens, sampler(batch))
         for prompt, spec, greedy in zip(batch, runs["spec"], runs["plain"]):
-            rows.append(prompt_result(prompt, spec, greedy, compare=not sampling, lookup=split))
+            rows.append(prompt_result(prompt, spec, greedy, not sampling, ngram_sizes, chain_length))
         so_far = summarize(name, rows)
         progress.update(len(batch))
         progress.set_postfix(tau=f"{so_far.acceptance_length or 0:.2f}", speedup=f"{so_far.speedup or 0:.2f}")

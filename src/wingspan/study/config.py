@@ -76,7 +76,11 @@ class StudyConfig:
         tree = dict(zip(("tree_depth", "tree_top_k", "tree_total_tokens"), self.tree)) if decoder == "tree" else {}
         try:
             return EvalSettings(
-                num_draft_tokens=self.num_draft_tokens, max_new_tokens=self.max_new_tokens, limit=self.limit, **tree
+                num_draft_tokens=self.num_draft_tokens,
+                max_new_tokens=self.max_new_tokens,
+                limit=self.limit,
+                first_turns=self.first_turn_only,
+                **tree,
             )
         except ConfigError as error:
             raise ConfigError(f"{decoder} decoder: {error}") from None

@@ -123,10 +123,6 @@ def evaluate_setting(
             )
 
 
-def first_turns(prompt_sets: dict[str, list[EvalPrompt]]) -> dict[str, list[EvalPrompt]]:
-    return {name: [dataclasses.replace(p, turns=p.turns[:1]) for p in prompts] for name, prompts in prompt_sets.items()}
-
-
 # ------------------------------------------------------------------------------------------------ results
 
 
@@ -192,8 +188,6 @@ def run_study(config: StudyConfig, out: Path, threads: int | None = None, device
     out.mkdir(parents=True, exist_ok=True)
     open_study(config, out)
     prompt_sets = load_prompt_sets(config.sets, config.limit)  # a bad set fails now, not after hours of training
-    if config.first_turn_only:
-        prompt_sets = first_turns(prompt_sets)
     base = config.base_train_config()
     if device is not None:
         base = dataclasses.replace(base, device=device)
