@@ -78,10 +78,7 @@ def lookup_generate(
     while True:
         new_tokens, done, result.stopped = finish(sequence[len(prompt_ids) :], max_new_tokens, stops)
         if done:
-            result.tokens = new_tokens
-            result.target_s, result.draft_s = clock.seconds["target"], clock.seconds["draft"]
-            result.total_s = time.perf_counter() - started
-            return result
+            return result.ended(new_tokens, clock, started)
         depth = min(num_draft_tokens, max_new_tokens - len(new_tokens) - 1)
         with clock("draft"):
             drafts = chain(lookup_drafts(sequence, depth, min_n, max_n) if depth > 0 else [])

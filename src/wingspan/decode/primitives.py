@@ -55,6 +55,13 @@ class SpecResult:
     draft_s: float = 0.0  # wall time in draft forwards
     total_s: float = 0.0  # wall time of the whole call
 
+    def ended(self, tokens: list[int], clock: Clock, started: float) -> SpecResult:
+        """This result with its final tokens and the clock's times, for a call that began at `started`."""
+        self.tokens = tokens
+        self.target_s, self.draft_s = clock.seconds["target"], clock.seconds["draft"]
+        self.total_s = time.perf_counter() - started
+        return self
+
 
 @dataclass
 class DraftTree:

@@ -227,10 +227,7 @@ def speculative_generate(
     while True:
         new_tokens, done, result.stopped = finish(sequence[len(prompt_ids) :], max_new_tokens, stops)
         if done:
-            result.tokens = new_tokens
-            result.target_s, result.draft_s = clock.seconds["target"], clock.seconds["draft"]
-            result.total_s = time.perf_counter() - started
-            return result
+            return result.ended(new_tokens, clock, started)
         # Verified positions are 0..len(sequence)-2 (the last token has no target pass yet).
         depth = min(shape.depth, max_new_tokens - len(new_tokens) - 1)
         drafts = DraftTree()
