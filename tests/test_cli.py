@@ -29,6 +29,8 @@ def test_every_command_has_help():
         ["dump", "--help"],
         ["export", "--help"],
         ["import", "--help"],
+        ["replay", "references", "--help"],
+        ["replay", "score", "--help"],
         ["eval", "--help"],
         ["vocab", "--help"],
         ["quickstart", "--help"],

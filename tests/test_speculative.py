@@ -7,9 +7,9 @@ from conftest import tiny_draft_config
 from wingspan.decode import primitives, speculative
 from wingspan.decode.primitives import DraftTree, TreeShape
 from wingspan.decode.speculative import plain_generate, speculative_generate
+from wingspan.eval.replay import chain_hits, replay_rounds
 from wingspan.models.draft import Eagle3Draft, new_kv_caches
 from wingspan.models.target import TargetModel
-from wingspan.train.ttt import unroll
 
 PROMPTS = [[5, 17, 300, 4000], [1, 2000, 42], list(range(100, 112)), [7]]
 FAVOURED = 1234  # the token the predictable target and the biased drafts like
@@ -35,13 +35,17 @@ def target(tiny_llama_dir) -> TargetModel:
     return target
 
 
-@pytest.fixture(scope="module")
-def predictable_target(tiny_llama_dir) -> TargetModel:
+def load_predictable_target(directory) -> TargetModel:
     """The tiny llama with its FAVOURED lm_head row scaled: its greedy output is about 1/3 FAVOURED."""
-    target = TargetModel.load(str(tiny_llama_dir), dtype="float32", aux_layer_ids=[1, 2, 3])
+    target = TargetModel.load(str(directory), dtype="float32", aux_layer_ids=[1, 2, 3])
     target.model.lm_head.weight.data[FAVOURED] *= 20
     sharpen(target.model)
     return target
+
+
+@pytest.fixture(scope="module")
+def predictable_target(tiny_llama_dir) -> TargetModel:
+    return load_predictable_target(tiny_llama_dir)
 
 
 def make_draft(
@@ -127,23 +131,11 @@ def test_accepted_drafts_keep_the_greedy_tokens(predictable_target, k):
 
 
 def replayed_acceptance(target, draft, prompt, output, k):
-    """Per-round accepted counts from the TTT unroll over the final tokens (tests/test_vllm.py's replay,
-    with the same shortening of the last rounds): equal only if the draft is fed as training feeds it."""
-    ids = torch.tensor([prompt + output])
-    aux = target.forward(ids).aux_hidden
-    positions = torch.arange(ids.shape[1])[None]  # one conversation
-    with torch.no_grad():
-        chains = [draft.draft_to_target(draft.logits(h).argmax(-1))[0] for h in unroll(draft, aux, ids, positions, k)]
-    rounds, origin, produced = [], len(prompt) - 1, 1
-    while produced < len(output):
-        steps = min(k, len(output) - produced - 1)
-        accepted = 0
-        while accepted < steps and chains[accepted][origin] == ids[0, origin + accepted + 2]:
-            accepted += 1
-        rounds.append(accepted)
-        produced += accepted + 1
-        origin += accepted + 1
-    return rounds
+    """Per-round accepted counts from the TTT unroll over the final tokens (`wingspan.eval.replay`): equal only
+    if the draft is fed as training feeds it."""
+    ids = torch.tensor(prompt + output)
+    hits = chain_hits(draft, ids, target.forward(ids[None]).aux_hidden[0], k)
+    return replay_rounds(hits, len(prompt), len(output), len(output), k)[0]
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -1,0 +1,316 @@
+"""A chain draft's acceptance replayed on the target's greedy outputs, without decoding.
+
+Greedy speculative decoding emits the target's greedy output whatever the draft, and a chain's round from
+origin i proposes exactly what the TTT unroll computes at origin i (`wingspan.train.ttt`: step j at i sees
+the step-0 keys at positions <= i and its own earlier steps' keys, as the decoder's cropped caches do), fed
+with the output's own tokens, which are the drafts as long as they are accepted. So the target's greedy
+outputs and its aux features over them, computed once and kept in a references file, give every round of
+`speculative_generate` for any draft that reads those aux layers: one draft forward per step over each
+sequence, seconds where decoding takes many minutes, and every draft is scored on the same outputs (a
+paired comparison).
+
+What it does not give: wall-clock speed, trees (which nodes survive the pruning depends on branches off the
+greedy path), sampling, and the very last round of an output that ended on its stop token (a draft past the
+stop token counts as rejected; the decoder may have accepted it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from wingspan.decode.batched import plain_generate_batch
+from wingspan.errors import ConfigError
+from wingspan.eval.metrics import acceptance_length, acceptance_per_position
+from wingspan.eval.prompts import EvalPrompt
+from wingspan.files import atomic_file
+from wingspan.models.draft import Eagle3Draft
+from wingspan.models.target import TargetModel
+from wingspan.train.ttt import shift_left, unroll
+
+FORMAT = "wingspan-replay-references/1"
+
+
+@dataclass
+class Reference:
+    """One turn: the prompt the target was asked and its greedy reply, with the target's aux features."""
+
+    set_name: str
+    prompt_id: str
+    turn: int
+    prompt_length: int
+    reply_length: int  # new tokens, the stop token included when the reply ended on one
+    stopped: bool
+    tokens: torch.Tensor  # [prompt_length + reply_length] int64
+    aux: torch.Tensor  # [prompt_length + reply_length, num_aux * H] the target's aux features over `tokens`
+
+
+@dataclass
+class References:
+    target: str
+    dtype: str
+    aux_layer_ids: list[int]
+    max_new_tokens: int
+    first_turns: bool
+    items: list[Reference]
+
+    def save(self, path: str | Path) -> None:
+        tensors, rows = {}, []
+        for index, item in enumerate(self.items):
+            tensors[f"tokens.{index}"] = item.tokens.contiguous()
+            tensors[f"aux.{index}"] = item.aux.contiguous()
+            row = asdict(item)
+            del row["tokens"], row["aux"]
+            rows.append(row)
+        header = {
+            "format": FORMAT,
+            "target": self.target,
+            "dtype": self.dtype,
+            "aux_layer_ids": self.aux_layer_ids,
+            "max_new_tokens": self.max_new_tokens,
+            "first_turns": self.first_turns,
+            "items": rows,
+        }
+        with atomic_file(path) as temporary:
+            save_file(tensors, str(temporary), metadata={"references": json.dumps(header)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> References:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such references file (make one with `wingspan replay references`)")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                header = json.loads((handle.metadata() or {}).get("references", "null"))
+                if not isinstance(header, dict) or header.get("format") != FORMAT:
+                    raise ConfigError(f"{path}: not a wingspan references file ({FORMAT})")
+                items = [
+                    Reference(**row, tokens=handle.get_tensor(f"tokens.{i}"), aux=handle.get_tensor(f"aux.{i}"))
+                    for i, row in enumerate(header["items"])
+                ]
+        except (OSError, SafetensorError, ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"{path}: not a readable references file ({error})") from None
+        fields = {k: header[k] for k in ("target", "dtype", "aux_layer_ids", "max_new_tokens", "first_turns")}
+        return cls(**fields, items=items)
+
+    def set_names(self) -> list[str]:
+        return list(dict.fromkeys(item.set_name for item in self.items))
+
+
+def build_references(
+    target: TargetModel,
+    target_name: str,
+    dtype: str,
+    prompt_sets: dict[str, list[EvalPrompt]],
+    max_new_tokens: int,
+    first_turns: bool,
+    batch_size: int = 8,
+) -> References:
+    """Greedy replies to every prompt (`batch_size` prompts per batched decoding call; each turn after the
+    target's own previous reply), then one target forward over each turn for its aux features. A reply that
+    ended on a stop token gets that token back: the target's argmax after the reply, read off the same forward."""
+    from wingspan.eval.runner import run_conversations  # the runner imports this module
+
+    def plain(prompts, new_tokens, generator):
+        return plain_generate_batch(target, prompts, new_tokens)
+
+    items = []
+    total = sum(len(prompts) for prompts in prompt_sets.values())
+    progress = tqdm(total=total, desc="references", unit="prompt", dynamic_ncols=True)
+    for name, prompts in prompt_sets.items():
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            conversations = [p.turns[:1] if first_turns else p.turns for p in batch]
+            for prompt, turns in zip(batch, run_conversations(target, plain, conversations, max_new_tokens, None)):
+                for number, turn in enumerate(turns):
+                    ids = torch.tensor([turn.prompt_ids + turn.result.tokens])
+                    out = target.forward(ids)
+                    tokens = ids[0]
+                    if turn.result.stopped:
+                        stop = out.logits[0, -1].argmax().view(1).to(tokens.device)
+                        tokens = torch.cat([tokens, stop])
+                    items.append(
+                        Reference(
+                            set_name=name,
+                            prompt_id=prompt.id,
+                            turn=number,
+                            prompt_length=len(turn.prompt_ids),
+                            reply_length=len(turn.result.tokens) + int(turn.result.stopped),
+                            stopped=turn.result.stopped,
+                            tokens=tokens.cpu(),
+                            aux=out.aux_hidden[0].cpu(),
+                        )
+                    )
+            progress.update(len(batch))
+    progress.close()
+    return References(target_name, dtype, list(target.aux_layer_ids), max_new_tokens, first_turns, items)
+
+
+@torch.no_grad()
+def chain_hits(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps, T] bool: step j of the chain from origin i proposes tokens[i + j + 2] (fed tokens[i + 1..])."""
+    device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+    ids = tokens[None].to(device)
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    hits = []
+    for j, hidden in enumerate(unroll(draft, aux[None].to(device, dtype), ids, positions, steps)):
+        proposed = draft.draft_to_target(draft.logits(hidden[0]).argmax(dim=-1))
+        hits.append(proposed == shift_left(ids, j + 2, fill=-1)[0])
+    return torch.stack(hits).cpu()
+
+
+def replay_rounds(
+    hits: torch.Tensor, prompt_length: int, reply_length: int, max_new_tokens: int, num_draft_tokens: int
+) -> tuple[list[int], list[int]]:
+    """(accepted, drafted) per round of `speculative_generate` with a chain of `num_draft_tokens`: the prefill
+    gives the first new token; each round drafts from the last verified position (fewer drafts near
+    max_new_tokens, as the decoder does), accepts the leading hits and adds the target's own token."""
+    accepted_per_round, drafted_per_round = [], []
+    produced = 1
+    while produced < reply_length:
+        depth = min(num_draft_tokens, max_new_tokens - produced - 1)
+        origin = prompt_length + produced - 2
+        accepted = 0
+        while accepted < depth and bool(hits[accepted, origin]):
+            accepted += 1
+        accepted_per_round.append(accepted)
+        drafted_per_round.append(max(depth, 0))
+        produced += accepted + 1
+    return accepted_per_round, drafted_per_round
+
+
+@dataclass
+class ReplayedPrompt:
+    id: str
+    rounds: int
+    accepted: int  # drafts accepted over all its turns
+    accepted_per_round: list[int]
+    drafted_per_round: list[int]
+
+
+@dataclass
+class ReplayedSet:
+    name: str
+    num_prompts: int
+    rounds: int
+    acceptance_length: float | None
+    acceptance_per_position: list[float]
+    prompts: list[ReplayedPrompt]
+
+
+def replay(draft: Eagle3Draft, references: References, num_draft_tokens: int) -> list[ReplayedSet]:
+    """Every reference's rounds for `draft`'s chains, gathered per prompt (its turns together) and per set."""
+    if list(draft.config.aux_layer_ids) != list(references.aux_layer_ids):
+        raise ConfigError(
+            f"the draft reads aux layers {draft.config.aux_layer_ids}; the references hold "
+            f"{references.aux_layer_ids} (build references with the draft's layers)"
+        )
+    width = references.items[0].aux.shape[-1] if references.items else None
+    if width is not None and width != draft.fc.weight.shape[1]:
+        raise ConfigError(f"the references' features are {width} wide; the draft reads {draft.fc.weight.shape[1]}")
+    per_prompt: dict[tuple[str, str], ReplayedPrompt] = {}
+    for item in references.items:
+        hits = chain_hits(draft, item.tokens, item.aux, num_draft_tokens)
+        accepted, drafted = replay_rounds(
+            hits, item.prompt_length, item.reply_length, references.max_new_tokens, num_draft_tokens
+        )
+        row = per_prompt.setdefault((item.set_name, item.prompt_id), ReplayedPrompt(item.prompt_id, 0, 0, [], []))
+        row.rounds += len(accepted)
+        row.accepted += sum(accepted)
+        row.accepted_per_round += accepted
+        row.drafted_per_round += drafted
+    sets = []
+    for name in references.set_names():
+        rows = [row for (set_name, _), row in per_prompt.items() if set_name == name]
+        accepted = [a for row in rows for a in row.accepted_per_round]
+        drafted = [d for row in rows for d in row.drafted_per_round]
+        sets.append(
+            ReplayedSet(
+                name=name,
+                num_prompts=len(rows),
+                rounds=len(accepted),
+                acceptance_length=acceptance_length(len(accepted), sum(accepted)),
+                acceptance_per_position=acceptance_per_position(accepted, drafted),
+                prompts=rows,
+            )
+        )
+    return sets
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+
+def pooled(sets: list[ReplayedSet]) -> list[list[tuple[int, int]]]:
+    """(rounds, accepted) per prompt, one stratum per set: what the bootstrap resamples."""
+    return [[(row.rounds, row.accepted) for row in result.prompts] for result in sets if result.prompts]
+
+
+def comparison(drafts: dict[str, list[ReplayedSet]]) -> list[dict]:
+    """Per draft: tau per set, pooled tau with its 95% prompt-bootstrap interval and, from the second draft
+    on, the paired 95% interval of its difference from the first (the same prompts drawn for both)."""
+    from wingspan.study.fit import bootstrap_interval, prompts_tau
+
+    rows, baseline = [], None
+    for label, sets in drafts.items():
+        strata = pooled(sets)
+        row = {
+            "draft": label,
+            "sets": {result.name: result.acceptance_length for result in sets},
+            "tau": prompts_tau([p for stratum in strata for p in stratum]),
+            "tau_interval": bootstrap_interval(strata, lambda items: prompts_tau(items)) if strata else None,
+            "difference": None,
+            "difference_interval": None,
+        }
+        accepted = [a for result in sets for p in result.prompts for a in p.accepted_per_round]
+        drafted = [d for result in sets for p in result.prompts for d in p.drafted_per_round]
+        row["acceptance_per_position"] = acceptance_per_position(accepted, drafted)
+        if baseline is None:
+            baseline = strata
+        elif strata:
+            # item k of stratum s: prompt k of set s, for this draft and the first alike
+            pairs = [list(zip(a, b, strict=True)) for a, b in zip(strata, baseline, strict=True)]
+            row["difference"] = row["tau"] - prompts_tau([p for stratum in baseline for p in stratum])
+            row["difference_interval"] = bootstrap_interval(
+                pairs, lambda items: prompts_tau([a for a, _ in items]) - prompts_tau([b for _, b in items])
+            )
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], references: References, path: str, num_draft_tokens: int) -> str:
+    names = list(rows[0]["sets"]) if rows else []
+
+    def number(value: float | None, digits: int = 3) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    def interval(value: tuple[float, float] | None) -> str:
+        return "" if value is None else f" [{value[0]:.3f}, {value[1]:.3f}]"
+
+    turns = "first turns" if references.first_turns else "all turns"
+    lines = [
+        f"Chain of {num_draft_tokens}, replayed on {path}: {references.target} ({references.dtype}), greedy, "
+        f"up to {references.max_new_tokens} new tokens, {turns}, aux layers {references.aux_layer_ids}.",
+        "",
+        "| draft | "
+        + " | ".join(names)
+        + " | pooled tau [95%] | vs the first [paired 95%] | acceptance per position |",
+        "|---|" + "---:|" * len(names) + "---:|---:|---|",
+    ]
+    for row in rows:
+        difference = (
+            "" if row["difference"] is None else f"{row['difference']:+.3f}" + interval(row["difference_interval"])
+        )
+        lines.append(
+            f"| {row['draft']} | "
+            + " | ".join(number(row["sets"][name]) for name in names)
+            + f" | {number(row['tau'])}{interval(row['tau_interval'])} | {difference} | "
+            + " / ".join(f"{rate:.2f}" for rate in row["acceptance_per_position"])
+            + " |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,193 @@
+"""Replayed acceptance: the references file, and rounds equal to greedy speculative decoding's."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_speculative import FAVOURED, load_predictable_target, make_draft
+
+from wingspan.decode.speculative import speculative_generate
+from wingspan.errors import ConfigError
+from wingspan.eval.prompts import EvalPrompt
+from wingspan.eval.replay import References, build_references, comparison, markdown, replay
+from wingspan.models.draft import write_draft
+from wingspan.models.target import TargetModel
+
+PROMPTS = {
+    "chat": [EvalPrompt("a", ["Count from one to ten."]), EvalPrompt("b", ["Name a colour.", "And another one?"])],
+    "math": [EvalPrompt("c", ["What is 2 + 2?"])],
+}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir) -> TargetModel:
+    return load_predictable_target(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def references(target) -> References:
+    return build_references(target, "tiny", "float32", PROMPTS, 20, first_turns=False, batch_size=2)
+
+
+@pytest.mark.parametrize("layers, seed, favour", [(1, 12, 6.0), (2, 11, 3.0)])
+def test_replayed_rounds_are_the_decoders(target, references, layers, seed, favour):
+    """Drafts biased towards FAVOURED that propose it in some rounds only: acceptance depends on their hidden
+    states, so a draft fed otherwise than in decoding would give other rounds."""
+    draft = make_draft(target, layers, seed=seed, favour=favour)
+    assert [(r.set_name, r.prompt_id, r.turn) for r in references.items] == [
+        ("chat", "a", 0),
+        ("chat", "b", 0),
+        ("chat", "b", 1),
+        ("math", "c", 0),
+    ]
+    accepted = 0
+    for k in (1, 3):
+        sets = replay(draft, references, k)
+        rounds = {p.id: p.accepted_per_round for s in sets for p in s.prompts}
+        expected = {}
+        for item in references.items:
+            prompt = item.tokens[: item.prompt_length].tolist()
+            result = speculative_generate(target, draft, prompt, 20, num_draft_tokens=k)
+            assert prompt + result.tokens == item.tokens[: item.prompt_length + len(result.tokens)].tolist()
+            expected.setdefault(item.prompt_id, []).extend(result.accepted_per_round)
+        assert rounds == expected, k
+        accepted += sum(sum(r) for r in rounds.values())
+        chat = sets[0]
+        assert chat.name == "chat" and chat.num_prompts == 2
+        assert chat.rounds == len(rounds["a"]) + len(rounds["b"])
+        assert chat.acceptance_length == (chat.rounds + sum(rounds["a"]) + sum(rounds["b"])) / chat.rounds
+    assert 0 < accepted
+
+
+def test_stopped_replies_carry_their_stop_token(target, tiny_llama_dir):
+    target.eos_token_ids = [FAVOURED]
+    try:
+        stopped = build_references(target, "tiny", "float32", PROMPTS, 20, first_turns=True)
+    finally:
+        target.eos_token_ids = TargetModel.load(str(tiny_llama_dir), dtype="float32").eos_token_ids
+    assert [item.turn for item in stopped.items] == [0, 0, 0]  # first turns only
+    assert any(item.stopped for item in stopped.items)
+    for item in stopped.items:
+        assert len(item.tokens) == item.prompt_length + item.reply_length
+        assert item.aux.shape == (len(item.tokens) - int(item.stopped), 3 * target.hidden_size) or (
+            item.aux.shape[0] == len(item.tokens)
+        )
+        reply = item.tokens[item.prompt_length :].tolist()
+        assert (reply[-1] == FAVOURED) == item.stopped and FAVOURED not in reply[:-1]
+
+
+def test_references_save_and_load(references, tmp_path):
+    path = tmp_path / "refs.safetensors"
+    references.save(path)
+    loaded = References.load(path)
+    assert (loaded.target, loaded.dtype, loaded.aux_layer_ids, loaded.max_new_tokens) == (
+        "tiny",
+        "float32",
+        [1, 2, 3],
+        20,
+    )
+    for a, b in zip(references.items, loaded.items, strict=True):
+        assert (a.set_name, a.prompt_id, a.turn, a.prompt_length, a.reply_length) == (
+            b.set_name,
+            b.prompt_id,
+            b.turn,
+            b.prompt_length,
+            b.reply_length,
+        )
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.aux, b.aux)
+    with pytest.raises(ConfigError, match="no such references file"):
+        References.load(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    with pytest.raises(ConfigError, match="not a readable references file"):
+        References.load(tmp_path / "junk.safetensors")
+
+
+def test_a_draft_reading_other_layers_is_refused(target, references):
+    draft = make_draft(target, 1, seed=0)
+    draft.config.aux_layer_ids = [0, 1, 2]
+    with pytest.raises(ConfigError, match=r"aux layers \[0, 1, 2\]"):
+        replay(draft, references, 3)
+
+
+def test_comparison_pairs_the_same_prompts(target, references):
+    good, bad = make_draft(target, 1, seed=12, favour=10.0), make_draft(target, 2, seed=3, favour=3.0)
+    rows = comparison(
+        {"good": replay(good, references, 3), "bad": replay(bad, references, 3), "again": replay(good, references, 3)}
+    )
+    assert rows[0]["difference"] is None
+    assert rows[1]["tau"] < rows[0]["tau"]
+    low, high = rows[1]["difference_interval"]
+    assert low <= rows[1]["difference"] <= high < 0
+    assert rows[2]["difference"] == 0 and rows[2]["difference_interval"] == (0, 0)
+    low, high = rows[0]["tau_interval"]
+    assert low <= rows[0]["tau"] <= high
+    text = markdown(rows, references, "refs.safetensors", 3)
+    assert "| good | " in text and "| chat | math |" in text
+    json.dumps(rows)  # results.json takes them as they are
+
+
+def wingspan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wingspan", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_the_commands(target, tiny_llama_dir, tmp_path):
+    """`wingspan replay references` then `score` of two drafts; their figures are the library's."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Count from one to ten.\nName a colour.\n")
+    refs = tmp_path / "refs.safetensors"
+    made = wingspan(
+        "replay",
+        "references",
+        "--out",
+        str(refs),
+        "--target",
+        str(tiny_llama_dir),
+        "--sets",
+        f"p={prompts}",
+        "--aux-layer-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "12",
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+    )
+    assert made.returncode == 0, made.stderr
+    assert "2 replies, aux layers [1, 2, 3]" in made.stdout
+    drafts = []
+    for name, seed in (("a", 12), ("b", 11)):
+        draft = make_draft(target, 1, seed=seed, favour=6.0)
+        write_draft(tmp_path / name, draft.trainable_state_dict(), draft.config)
+        drafts.append(draft)
+    out = tmp_path / "score"
+    scored = wingspan(
+        "replay",
+        "score",
+        "--references",
+        str(refs),
+        "--draft",
+        str(tmp_path / "a"),
+        "--draft",
+        str(tmp_path / "b"),
+        "--num-draft-tokens",
+        "2",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    )
+    assert scored.returncode == 0, scored.stderr
+    rows = json.loads((out / "results.json").read_text())["drafts"]
+    # the sharpened target of these tests is not the saved one: score the saved target's references here
+    references = References.load(refs)
+    for row, draft in zip(rows, drafts, strict=True):
+        (expected,) = replay(draft, references, 2)
+        assert row["sets"] == {"p": expected.acceptance_length}
+    assert (out / "results.md").read_text() in scored.stdout
+    missing = wingspan("replay", "score", "--references", str(tmp_path / "none"), "--draft", str(tmp_path / "a"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such references file" in missing.stderr
