@@ -17,6 +17,7 @@ from wingspan.models.target import TargetModel
 from wingspan.train.distributed import World
 from wingspan.train.features import OnlineFeatures
 from wingspan.train.trainer import learning_rate, prepare_draft, train, train_step
+from wingspan.train.ttt import ttt_forward
 
 VOCAB = 128
 
@@ -127,6 +128,26 @@ def test_the_step_called_alone_is_the_loops_step(tiny_target, tmp_path):
     assert (correct / count).tolist() == pytest.approx([logged[f"acc_{j}"] for j in range(3)], rel=1e-12)
     assert float(step.grad_norm) == pytest.approx(logged["grad_norm"], rel=1e-6)
     assert step.sums[9] == sum(int(m.attention_mask.sum()) for m in group)
+
+
+def test_the_repeat_weight_reaches_the_step_objective(tiny_target, tmp_path):
+    """A step's objective is the TTT loss with the config's repeat_weight, normalised over the step's weights."""
+    d2t, t2d = identity_vocab()
+    g = torch.Generator().manual_seed(1)
+    data = [TokenizedConversation(torch.randint(2, 6, (20,), generator=g).tolist(), [0] * 4 + [1] * 16)] * 2
+    objectives = {}
+    for weight in (1.0, 3.0):
+        cfg = config(tmp_path / str(weight), max_steps=1, repeat_weight=weight)
+        torch.manual_seed(cfg.seed)
+        trainee = prepare_draft(tiny_target, cfg, d2t, t2d, World())
+        group = [collate(data, plan_epoch([20, 20], cfg, 0, cfg.shuffle)[0], pad_id=0)]
+        features = OnlineFeatures(tiny_target, d2t)
+        weights = [cfg.step_decay**j for j in range(cfg.ttt_steps)]
+        expected = ttt_forward(trainee.draft, features(group[0]), cfg.ttt_steps, weights, repeat_weight=weight)
+        step = train_step(trainee, group, features, learning_rate(0, 1, cfg), cfg, World())
+        assert float(step.loss) == pytest.approx(float(expected.loss.detach()), rel=1e-6)
+        objectives[weight] = float(step.loss)
+    assert objectives[3.0] != pytest.approx(objectives[1.0], rel=1e-3)
 
 
 def test_resume_refuses_the_other_batch_layout(tiny_target, tmp_path):

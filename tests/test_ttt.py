@@ -8,8 +8,16 @@ from conftest import tiny_draft_config
 from wingspan.config import DraftConfig
 from wingspan.data.batching import collate
 from wingspan.data.template import TokenizedConversation
+from wingspan.decode.lookup import lookup_drafts
 from wingspan.models.draft import Eagle3Draft, new_kv_caches
-from wingspan.train.ttt import TTTBatch, simulated_acceptance_length, step_masks, ttt_forward, unroll
+from wingspan.train.ttt import (
+    TTTBatch,
+    repeated_bigrams,
+    simulated_acceptance_length,
+    step_masks,
+    ttt_forward,
+    unroll,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,6 +172,44 @@ def test_loss_is_soft_cross_entropy_against_restricted_target():
     expected = -(target * torch.log_softmax(logits[:, :7], dim=-1)).sum(-1).mean()
     torch.testing.assert_close(result.loss, expected, rtol=1e-5, atol=1e-5)
     assert result.count.tolist() == [14.0]
+
+
+def test_repeated_bigrams_are_where_lookup_proposes():
+    """Position t is marked exactly where prompt lookup with bigrams (min = max = 2) over t's conversation up to
+    t proposes a draft; conversations packed in a row do not see each other."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4, (3, 40), generator=generator)
+    lengths = [[40], [7, 20, 13], [1, 2, 37]]
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+    marked = repeated_bigrams(ids, positions)
+    for r, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            tokens = ids[r, start : start + n].tolist()
+            expected = [bool(lookup_drafts(tokens[: t + 1], 1, 2, 2)) for t in range(n)]
+            assert marked[r, start : start + n].tolist() == expected, (r, n)
+            start += n
+    assert marked.sum() > 20 and not marked.all()
+
+
+def test_repeat_weight_weighs_the_positions_lookup_would_copy():
+    torch.manual_seed(0)
+    draft = Eagle3Draft(tiny_config(1))
+    ids = torch.randint(0, 3, (2, 12))  # three tokens: many repeated bigrams
+    logits = torch.randn(2, 12, 97)
+    batch = TTTBatch(ids, torch.ones(2, 12), arange_positions(ids), torch.randn(2, 12, 72), logits, logits.argmax(-1))
+    plain = ttt_forward(draft, batch, steps=1, step_weights=[1.0])
+    weighted = ttt_forward(draft, batch, steps=1, step_weights=[1.0], repeat_weight=4.0)
+    hidden = next(unroll(draft, batch.aux_hidden, ids, batch.positions, 1))
+    target = torch.softmax(logits[:, 1:11], dim=-1)
+    cross_entropy = -(target * torch.log_softmax(draft.logits(hidden[:, :10]), dim=-1)).sum(-1)
+    # origin i predicts x_{i+2} from a context that ends at x_{i+1}
+    weights = 1 + 3 * repeated_bigrams(ids, batch.positions)[:, 1:11].float()
+    assert 0 < (weights > 1).sum() < weights.numel()
+    torch.testing.assert_close(weighted.loss, (weights * cross_entropy).sum() / weights.sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain.loss, cross_entropy.mean(), rtol=1e-5, atol=1e-5)
+    assert weighted.loss_sum.tolist() == plain.loss_sum.tolist()  # the logged loss stays unweighted
+    assert weighted.count.tolist() == plain.count.tolist() == [20.0]
 
 
 def test_simulated_acceptance_length():

@@ -299,6 +299,9 @@ class TrainConfig:
     # TTT
     ttt_steps: int = 7
     step_decay: float = 0.8
+    # the loss's weight where the context ends in a bigram seen earlier in the conversation (where prompt lookup
+    # would propose: teach the draft to copy); 1 weighs every position alike
+    repeat_weight: float = 1.0
     # optimisation
     lr: float = 1e-4
     min_lr_ratio: float = 0.0
@@ -320,6 +323,7 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     # bookkeeping
     save_every: int = 200  # optimizer steps between checkpoints (and always at the end)
+    keep_checkpoints: int = 2  # the newest N stay on disk (more: score the draft along its training)
     log_every: int = 10
     tensorboard: bool = False
     num_threads: int | None = None
@@ -356,11 +360,13 @@ TRAIN_RANGES: dict[str, dict[str, float]] = {
     "weight_decay": {"at_least": 0},
     "warmup_ratio": {"at_least": 0, "below": 1},
     "grad_clip": {"above": 0},
+    "repeat_weight": {"above": 0},
     "grad_accum": {"at_least": 1},
     "epochs": {"above": 0},
     "max_steps": {"at_least": 1},
     "seed": {"at_least": 0, "below": 2**63},
     "save_every": {"at_least": 1},
+    "keep_checkpoints": {"at_least": 1},
     "log_every": {"at_least": 1},
     "num_threads": {"at_least": 1},
 }

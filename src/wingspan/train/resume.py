@@ -26,6 +26,7 @@ MAY_CHANGE = {
     "max_steps": "the run ends at another step; the learning-rate schedule stretches to it",
     "epochs": "the run ends at another step; the learning-rate schedule stretches to it",
     "save_every": "checkpoints come at other steps",
+    "keep_checkpoints": "older checkpoints are kept or removed by another count",
     "log_every": "metrics are logged at other steps",
     "tensorboard": "logging only",
     "num_threads": "CPU threads only",

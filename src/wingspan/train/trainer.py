@@ -47,7 +47,7 @@ from wingspan.train.distributed import (
 )
 from wingspan.train.features import FeatureSource, OnlineFeatures
 from wingspan.train.resume import cut_metrics, describe_run, require_same_run
-from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_masks
+from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_weights_of
 
 
 def learning_rate(step: int, total: int, config: TrainConfig) -> float:
@@ -225,7 +225,9 @@ def prepare_draft(
     elif config.init_from:
         start_from(draft, config.init_from)
     step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
-    model = parallelize(TTTLoss(draft, config.ttt_steps, step_weights), draft, config.parallel, world, device)
+    model = parallelize(
+        TTTLoss(draft, config.ttt_steps, step_weights, config.repeat_weight), draft, config.parallel, world, device
+    )
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
     if checkpoint:
@@ -243,11 +245,12 @@ class StepMetrics:
     skipped: bool = False  # on_nonfinite=skip: the gradient was not finite and no update was made
 
 
-def step_normaliser(group: list[MicroBatch], steps: int) -> torch.Tensor:
-    """[steps]: the counted positions of each TTT step over the whole global batch `group`, which divides every
-    micro-batch's loss, so that accumulation and data parallelism weight every token alike."""
-    counts = sum(step_masks(m.loss_mask, m.positions, steps).sum(dim=(1, 2)) for m in group)
-    return counts.clamp(min=1)
+def step_normaliser(group: list[MicroBatch], steps: int, repeat_weight: float) -> torch.Tensor:
+    """[steps]: the counted positions of each TTT step over the whole global batch `group` (weighted as the loss
+    weighs them), which divides every micro-batch's loss, so that accumulation and data parallelism weight
+    every token alike."""
+    weights = (step_weights_of(m.loss_mask, m.positions, m.input_ids, steps, repeat_weight) for m in group)
+    return sum(w.sum(dim=(1, 2)) for w in weights).clamp(min=1)
 
 
 def train_step(
@@ -256,7 +259,7 @@ def train_step(
     """One optimizer step over the global batch `group` (the same micro-batches on every rank): this rank's
     share of them (`share_of_step`) forward and backward, then gradient clipping and AdamW at `lr`."""
     device = trainee.device
-    normaliser = step_normaliser(group, config.ttt_steps).to(device)
+    normaliser = step_normaliser(group, config.ttt_steps, config.repeat_weight).to(device)
     for param_group in trainee.optimizer.param_groups:
         param_group["lr"] = lr
     loss = torch.zeros((), device=device)
@@ -482,7 +485,9 @@ def train(
             weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, trainee.optimizer)
             if world.is_main:
                 position = {"step": step, "epoch": epoch, "batch_index": batch_index, "run": run_record}
-                save_checkpoint(run_dir, step, weights, draft.config, optimizer_state, position, keep=2)
+                save_checkpoint(
+                    run_dir, step, weights, draft.config, optimizer_state, position, keep=config.keep_checkpoints
+                )
             last_checkpoint = step
             world.barrier()
     progress.close()

@@ -121,6 +121,40 @@ def step_masks(loss_mask: torch.Tensor, positions: torch.Tensor, steps: int) -> 
     )
 
 
+def repeated_bigrams(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: token t and the one before it occurred as a pair earlier in t's conversation, so that
+    prompt lookup would propose the token after their earlier occurrence. Vectorised (no host sync)."""
+    batch, length = input_ids.shape
+    seen = torch.zeros_like(input_ids, dtype=torch.bool)
+    if length < 2:
+        return seen
+    rows = torch.arange(batch, device=input_ids.device)[:, None].expand(batch, length - 1)
+    order = torch.arange(batch * (length - 1), device=input_ids.device)
+    inside = positions[:, 1:] > 0  # the pair's first token is in its second token's conversation
+    # a pair that straddles two conversations gets a conversation of its own, so that it matches nothing
+    documents = torch.where(inside, document_ids(positions)[:, 1:], -1 - order.view(batch, length - 1))
+    pairs = torch.stack([rows, documents, input_ids[:, :-1], input_ids[:, 1:]], dim=-1).reshape(-1, 4)
+    _, pair_id = torch.unique(pairs, dim=0, return_inverse=True)
+    first = torch.full_like(order, order.numel()).scatter_reduce(0, pair_id, order, reduce="amin")
+    # row-major order: an earlier index of the same (row, conversation, pair) is an earlier position
+    repeated = (first[pair_id] < order).view(batch, length - 1)
+    seen[:, 1:] = repeated
+    return seen
+
+
+def step_weights_of(
+    loss_mask: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, steps: int, repeat_weight: float
+) -> torch.Tensor:
+    """[steps, B, T] float: `step_masks`, with `repeat_weight` where the context of step j at origin i (up to
+    x_{i+j+1}) ends in a repeated bigram (`repeated_bigrams`): what prompt lookup would copy."""
+    masks = step_masks(loss_mask, positions, steps).float()
+    if repeat_weight == 1.0:
+        return masks
+    repeated = repeated_bigrams(input_ids, positions)
+    scale = torch.stack([1 + (repeat_weight - 1) * shift_left(repeated, j + 1).float() for j in range(steps)])
+    return masks * scale
+
+
 def unroll(
     draft: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, steps: int
 ) -> Iterator[torch.Tensor]:
@@ -143,22 +177,26 @@ def ttt_forward(
     steps: int,
     step_weights: list[float],
     normaliser: torch.Tensor | None = None,
+    repeat_weight: float = 1.0,
 ) -> TTTResult:
     """Unroll the draft `steps` times and score each step against the target.
 
     The target distribution is restricted to the draft vocab and renormalised (soft cross-entropy = forward
     KL up to a constant). Only counted rows (assistant tokens whose prediction lies inside their conversation)
-    go through the vocab projection. `normaliser` [steps] divides each step's loss sum; by default the
-    counts of this micro-batch, but a trainer passes the counts of the whole optimizer step so that
-    accumulation and data parallelism weight every token alike.
+    go through the vocab projection. `repeat_weight` weighs the positions where prompt lookup would propose
+    (`step_weights_of`); `normaliser` [steps] divides each step's weighted loss sum: by default this
+    micro-batch's weights, but a trainer passes those of the whole optimizer step so that accumulation and
+    data parallelism weight every token alike. The loss sums returned are unweighted (comparable across
+    weightings).
     """
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
     target_p = torch.softmax(batch.target_logits.float(), dim=-1)
     target_argmax = batch.target_argmax
-    masks = step_masks(loss_mask, batch.positions, steps).bool()
+    weights = step_weights_of(loss_mask, batch.positions, input_ids, steps, repeat_weight)
+    masks = weights > 0
     counts = masks.sum(dim=(1, 2)).float()
     if normaliser is None:
-        normaliser = counts.clamp(min=1)
+        normaliser = weights.sum(dim=(1, 2)).clamp(min=1)
 
     loss = torch.zeros((), device=input_ids.device)
     loss_sums, correct = [], []
@@ -168,8 +206,10 @@ def ttt_forward(
         valid = max(0, input_ids.shape[1] - (j + 1))
         rows = masks[j][:, :valid]
         logp = torch.log_softmax(draft.logits(hidden[:, :valid][rows]).float(), dim=-1)
-        loss_sum = -(target_p[:, j + 1 :][rows] * logp).sum()
-        loss = loss + step_weights[j] * loss_sum / normaliser[j]
+        cross_entropy = -(target_p[:, j + 1 :][rows] * logp).sum(dim=-1)
+        loss_sum = cross_entropy.sum()
+        weighted = loss_sum if repeat_weight == 1.0 else (cross_entropy * weights[j][:, :valid][rows]).sum()
+        loss = loss + step_weights[j] * weighted / normaliser[j]
         hits = draft.draft_to_target(logp.detach().max(dim=-1).indices) == target_argmax[:, j + 1 :][rows]
         loss_sums.append(loss_sum.detach())
         correct.append(hits.sum().float())
@@ -181,14 +221,15 @@ class TTTLoss(torch.nn.Module):
     and gather sharded weights, which they do for a module's forward only, not for `draft.logits` or
     `draft.project_aux` called from outside it."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, step_weights: list[float]) -> None:
+    def __init__(self, draft: Eagle3Draft, steps: int, step_weights: list[float], repeat_weight: float = 1.0) -> None:
         super().__init__()
         self.draft = draft
         self.steps = steps
         self.step_weights = step_weights
+        self.repeat_weight = repeat_weight
 
     def forward(self, batch: TTTBatch, normaliser: torch.Tensor | None = None) -> TTTResult:
-        return ttt_forward(self.draft, batch, self.steps, self.step_weights, normaliser)
+        return ttt_forward(self.draft, batch, self.steps, self.step_weights, normaliser, self.repeat_weight)
 
 
 def simulated_acceptance_length(step_accuracy: list[float], num_draft_tokens: int) -> float:
