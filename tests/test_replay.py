@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_speculative import FAVOURED, load_predictable_target, make_draft
 
+from wingspan.decode.lookup import lookup_outcomes
 from wingspan.decode.speculative import speculative_generate
 from wingspan.errors import ConfigError
 from wingspan.eval.prompts import EvalPrompt
@@ -48,13 +49,17 @@ def test_replayed_rounds_are_the_decoders(target, references, layers, seed, favo
     for k in (1, 3):
         sets = replay(draft, references, k)
         rounds = {p.id: p.accepted_per_round for s in sets for p in s.prompts}
-        expected = {}
+        matched = {p.id: p.lookup_matched for s in sets for p in s.prompts}
+        expected, expected_matched = {}, {}
         for item in references.items:
             prompt = item.tokens[: item.prompt_length].tolist()
             result = speculative_generate(target, draft, prompt, 20, num_draft_tokens=k)
             assert prompt + result.tokens == item.tokens[: item.prompt_length + len(result.tokens)].tolist()
             expected.setdefault(item.prompt_id, []).extend(result.accepted_per_round)
+            outcomes = lookup_outcomes(prompt, result, 2, 4)
+            expected_matched.setdefault(item.prompt_id, []).extend(o is not None for o in outcomes)
         assert rounds == expected, k
+        assert matched == expected_matched and any(any(m) for m in matched.values())
         accepted += sum(sum(r) for r in rounds.values())
         chat = sets[0]
         assert chat.name == "chat" and chat.num_prompts == 2
@@ -73,11 +78,17 @@ def test_stopped_replies_carry_their_stop_token(target, tiny_llama_dir):
     assert any(item.stopped for item in stopped.items)
     for item in stopped.items:
         assert len(item.tokens) == item.prompt_length + item.reply_length
-        assert item.aux.shape == (len(item.tokens) - int(item.stopped), 3 * target.hidden_size) or (
-            item.aux.shape[0] == len(item.tokens)
-        )
+        assert item.aux.shape == (len(item.tokens) - int(item.stopped), 3 * target.hidden_size)
         reply = item.tokens[item.prompt_length :].tolist()
         assert (reply[-1] == FAVOURED) == item.stopped and FAVOURED not in reply[:-1]
+    # the decoder's rounds, bar the last of a stopped reply (a draft past the stop token counts as rejected)
+    draft = make_draft(target, 1, seed=12, favour=6.0)
+    replayed = [p for s in replay(draft, stopped, 3) for p in s.prompts]
+    for item, row in zip(stopped.items, replayed, strict=True):
+        prompt = item.tokens[: item.prompt_length].tolist()
+        result = speculative_generate(target, draft, prompt, 20, num_draft_tokens=3, stop_ids=[FAVOURED])
+        assert len(row.accepted_per_round) == len(result.accepted_per_round)
+        assert row.accepted_per_round[:-1] == result.accepted_per_round[:-1]
 
 
 def test_references_save_and_load(references, tmp_path):
@@ -125,6 +136,8 @@ def test_comparison_pairs_the_same_prompts(target, references):
     assert rows[2]["difference"] == 0 and rows[2]["difference_interval"] == (0, 0)
     low, high = rows[0]["tau_interval"]
     assert low <= rows[0]["tau"] <= high
+    for row in rows:
+        assert 0 < row["rounds_with_match"] < 1 and row["tau_with_match"] >= 1 and row["tau_without_match"] >= 1
     text = markdown(rows, references, "refs.safetensors", 3)
     assert "| good | " in text and "| chat | math |" in text
     json.dumps(rows)  # results.json takes them as they are
@@ -188,6 +201,7 @@ def test_the_commands(target, tiny_llama_dir, tmp_path):
     for row, draft in zip(rows, drafts, strict=True):
         (expected,) = replay(draft, references, 2)
         assert row["sets"] == {"p": expected.acceptance_length}
+        assert row["prompts"] == {"p": [[p.id, p.rounds, p.accepted] for p in expected.prompts]}
     assert (out / "results.md").read_text() in scored.stdout
     missing = wingspan("replay", "score", "--references", str(tmp_path / "none"), "--draft", str(tmp_path / "a"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such references file" in missing.stderr

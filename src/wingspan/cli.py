@@ -324,6 +324,8 @@ def parse_ngram_sizes(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.strip().isdecimal() for p in parts):
         raise ConfigError(f"--ngram-sizes {text!r}: expected MIN,MAX, e.g. 2,4")
     low, high = (int(p) for p in parts)
+    if not 1 <= low <= high:
+        raise ConfigError(f"--ngram-sizes {text!r}: need 1 <= MIN <= MAX")
     return low, high
 
 
@@ -498,13 +500,17 @@ def replay_score(
         ),
     ],
     num_draft_tokens: Annotated[int, typer.Option(min=1, help="Drafts per round (a chain).")] = 3,
+    ngram_sizes: Annotated[
+        str, typer.Option(help="MIN,MAX n-gram lengths of prompt lookup, for the split of the rounds by its matches.")
+    ] = "2,4",
     out: Annotated[Path | None, typer.Option(help="Also write results.json and results.md here.")] = None,
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
 ) -> None:
     """Each draft's chain acceptance on the references' replies, as greedy speculative decoding would give it:
-    tau per set, pooled with its 95% prompt-bootstrap interval, and each draft against the first with a paired
-    interval. No wall-clock speed (measure that with `wingspan eval`)."""
+    tau per set, pooled with its 95% prompt-bootstrap interval, each draft against the first with a paired
+    interval, and its tau where prompt lookup would have proposed and elsewhere. No wall-clock speed (measure
+    that with `wingspan eval`)."""
     import json
 
     from wingspan.decode.primitives import check_compatible
@@ -514,6 +520,7 @@ def replay_score(
     from wingspan.files import write_text_atomically
     from wingspan.models.target import TargetModel
 
+    sizes = parse_ngram_sizes(ngram_sizes)
     loaded = References.load(references)
     where = resolve_device(device)
     use_cpu_threads(where, threads)
@@ -522,7 +529,7 @@ def replay_score(
     for directory in draft:
         candidate = load_draft(directory, model)
         check_compatible(model, candidate)
-        scored[str(directory)] = replay(candidate, loaded, num_draft_tokens)
+        scored[str(directory)] = replay(candidate, loaded, num_draft_tokens, sizes)
     rows = comparison(scored)
     text = markdown(rows, loaded, str(references), num_draft_tokens)
     if out is not None:

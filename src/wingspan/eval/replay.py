@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from wingspan.decode.batched import plain_generate_batch
+from wingspan.decode.lookup import lookup_drafts
 from wingspan.errors import ConfigError
 from wingspan.eval.metrics import acceptance_length, acceptance_per_position
 from wingspan.eval.prompts import EvalPrompt
@@ -154,14 +155,16 @@ def build_references(
 
 @torch.no_grad()
 def chain_hits(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> torch.Tensor:
-    """[steps, T] bool: step j of the chain from origin i proposes tokens[i + j + 2] (fed tokens[i + 1..])."""
+    """[steps, T] bool over the T positions `aux` covers: step j of the chain from origin i proposes
+    tokens[i + j + 2] (fed tokens[i + 1..]). `tokens` may hold one more, a stop token with no features."""
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
-    ids = tokens[None].to(device)
-    positions = torch.arange(ids.shape[1], device=device)[None]
+    length = aux.shape[0]
+    every = tokens[None].to(device)
+    positions = torch.arange(length, device=device)[None]
     hits = []
-    for j, hidden in enumerate(unroll(draft, aux[None].to(device, dtype), ids, positions, steps)):
+    for j, hidden in enumerate(unroll(draft, aux[None].to(device, dtype), every[:, :length], positions, steps)):
         proposed = draft.draft_to_target(draft.logits(hidden[0]).argmax(dim=-1))
-        hits.append(proposed == shift_left(ids, j + 2, fill=-1)[0])
+        hits.append(proposed == shift_left(every, j + 2, fill=-1)[0, :length])
     return torch.stack(hits).cpu()
 
 
@@ -192,6 +195,9 @@ class ReplayedPrompt:
     accepted: int  # drafts accepted over all its turns
     accepted_per_round: list[int]
     drafted_per_round: list[int]
+    # per round: whether prompt lookup would have proposed drafts there (the context ends in an n-gram seen
+    # earlier in it, `wingspan.decode.lookup`), to split the draft's rounds as `wingspan eval` does
+    lookup_matched: list[bool]
 
 
 @dataclass
@@ -204,8 +210,22 @@ class ReplayedSet:
     prompts: list[ReplayedPrompt]
 
 
-def replay(draft: Eagle3Draft, references: References, num_draft_tokens: int) -> list[ReplayedSet]:
-    """Every reference's rounds for `draft`'s chains, gathered per prompt (its turns together) and per set."""
+def lookup_matches(
+    tokens: list[int], prompt_length: int, accepted_per_round: list[int], drafted_per_round: list[int], sizes
+) -> list[bool]:
+    """Whether prompt lookup (n-gram lengths `sizes`) proposes drafts at the start of each round that drafted."""
+    position, matched = prompt_length + 1, []
+    for accepted, drafted in zip(accepted_per_round, drafted_per_round, strict=True):
+        matched.append(bool(drafted) and bool(lookup_drafts(tokens[:position], 1, *sizes)))
+        position += accepted + 1
+    return matched
+
+
+def replay(
+    draft: Eagle3Draft, references: References, num_draft_tokens: int, ngram_sizes: tuple[int, int] = (2, 4)
+) -> list[ReplayedSet]:
+    """Every reference's rounds for `draft`'s chains, gathered per prompt (its turns together) and per set, with
+    where prompt lookup of `ngram_sizes` would have proposed."""
     if list(draft.config.aux_layer_ids) != list(references.aux_layer_ids):
         raise ConfigError(
             f"the draft reads aux layers {draft.config.aux_layer_ids}; the references hold "
@@ -220,7 +240,9 @@ def replay(draft: Eagle3Draft, references: References, num_draft_tokens: int) ->
         accepted, drafted = replay_rounds(
             hits, item.prompt_length, item.reply_length, references.max_new_tokens, num_draft_tokens
         )
-        row = per_prompt.setdefault((item.set_name, item.prompt_id), ReplayedPrompt(item.prompt_id, 0, 0, [], []))
+        key = (item.set_name, item.prompt_id)
+        row = per_prompt.setdefault(key, ReplayedPrompt(item.prompt_id, 0, 0, [], [], []))
+        row.lookup_matched += lookup_matches(item.tokens.tolist(), item.prompt_length, accepted, drafted, ngram_sizes)
         row.rounds += len(accepted)
         row.accepted += sum(accepted)
         row.accepted_per_round += accepted
@@ -266,10 +288,20 @@ def comparison(drafts: dict[str, list[ReplayedSet]]) -> list[dict]:
             "tau_interval": bootstrap_interval(strata, lambda items: prompts_tau(items)) if strata else None,
             "difference": None,
             "difference_interval": None,
+            # (prompt id, rounds, accepted drafts) per prompt: what a later paired comparison resamples
+            "prompts": {result.name: [[p.id, p.rounds, p.accepted] for p in result.prompts] for result in sets},
         }
         accepted = [a for result in sets for p in result.prompts for a in p.accepted_per_round]
         drafted = [d for result in sets for p in result.prompts for d in p.drafted_per_round]
         row["acceptance_per_position"] = acceptance_per_position(accepted, drafted)
+        rounds = [
+            (a, m) for result in sets for p in result.prompts for a, m in zip(p.accepted_per_round, p.lookup_matched)
+        ]
+        matched = [a for a, m in rounds if m]
+        row["rounds_with_match"] = len(matched) / len(rounds) if rounds else None
+        row["tau_with_match"] = acceptance_length(len(matched), sum(matched))
+        unmatched = [a for a, m in rounds if not m]
+        row["tau_without_match"] = acceptance_length(len(unmatched), sum(unmatched))
         if baseline is None:
             baseline = strata
         elif strata:
@@ -289,6 +321,9 @@ def markdown(rows: list[dict], references: References, path: str, num_draft_toke
     def number(value: float | None, digits: int = 3) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0%}"
+
     def interval(value: tuple[float, float] | None) -> str:
         return "" if value is None else f" [{value[0]:.3f}, {value[1]:.3f}]"
 
@@ -297,10 +332,9 @@ def markdown(rows: list[dict], references: References, path: str, num_draft_toke
         f"Chain of {num_draft_tokens}, replayed on {path}: {references.target} ({references.dtype}), greedy, "
         f"up to {references.max_new_tokens} new tokens, {turns}, aux layers {references.aux_layer_ids}.",
         "",
-        "| draft | "
-        + " | ".join(names)
-        + " | pooled tau [95%] | vs the first [paired 95%] | acceptance per position |",
-        "|---|" + "---:|" * len(names) + "---:|---:|---|",
+        "| draft | " + " | ".join(names) + " | pooled tau [95%] | vs the first [paired 95%] | acceptance per position"
+        " | tau where lookup matches / elsewhere |",
+        "|---|" + "---:|" * len(names) + "---:|---:|---|---:|",
     ]
     for row in rows:
         difference = (
@@ -311,6 +345,7 @@ def markdown(rows: list[dict], references: References, path: str, num_draft_toke
             + " | ".join(number(row["sets"][name]) for name in names)
             + f" | {number(row['tau'])}{interval(row['tau_interval'])} | {difference} | "
             + " / ".join(f"{rate:.2f}" for rate in row["acceptance_per_position"])
-            + " |"
+            + f" | {number(row['tau_with_match'])} ({share(row['rounds_with_match'])} of rounds)"
+            + f" / {number(row['tau_without_match'])} |"
         )
     return "\n".join(lines) + "\n"
