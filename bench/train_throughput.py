@@ -251,7 +251,7 @@ def run_setting(spec: dict) -> dict:
     def draft_pass(trainee, k: int) -> None:
         batch = to_device(features[k], device)
         with torch.autocast(**autocast):
-            out = trainee.model(batch, step_normaliser([micros[k]], config.ttt_steps).to(device))
+            out = trainee.model(batch, step_normaliser([micros[k]], config.ttt_steps, config.repeat_weight).to(device))
         out.loss.backward()
         trainee.draft.zero_grad(set_to_none=True)
 

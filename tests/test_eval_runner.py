@@ -347,7 +347,7 @@ def test_cli_measures_prompt_lookup_and_wants_one_proposer(tiny_llama_dir, tmp_p
         ([], "error: give a draft (--draft PATH) or --ngram, one of them"),
         (["--ngram", "--draft", str(tmp_path)], "error: give a draft (--draft PATH) or --ngram, one of them"),
         (["--ngram", "--ngram-sizes", "2"], "error: --ngram-sizes '2': expected MIN,MAX, e.g. 2,4"),
-        (["--ngram", "--ngram-sizes", "3,2"], "error: ngram_max: must be >= 3, got 2"),
+        (["--ngram", "--ngram-sizes", "3,2"], "error: --ngram-sizes '3,2': need 1 <= MIN <= MAX"),
         (["--ngram", "--batch-size", "2"], "error: prompt lookup drafts a chain, one prompt at a time"),
     )
     for extra, message in refusals:

@@ -49,16 +49,19 @@ def test_replayed_rounds_are_the_decoders(target, references, layers, seed, favo
     for k in (1, 3):
         sets = replay(draft, references, k)
         rounds = {p.id: p.accepted_per_round for s in sets for p in s.prompts}
+        drafted = {p.id: p.drafted_per_round for s in sets for p in s.prompts}
         matched = {p.id: p.lookup_matched for s in sets for p in s.prompts}
-        expected, expected_matched = {}, {}
+        expected, expected_drafted, expected_matched = {}, {}, {}
         for item in references.items:
             prompt = item.tokens[: item.prompt_length].tolist()
             result = speculative_generate(target, draft, prompt, 20, num_draft_tokens=k)
             assert prompt + result.tokens == item.tokens[: item.prompt_length + len(result.tokens)].tolist()
             expected.setdefault(item.prompt_id, []).extend(result.accepted_per_round)
+            expected_drafted.setdefault(item.prompt_id, []).extend(result.drafted_per_round)
             outcomes = lookup_outcomes(prompt, result, 2, 4)
             expected_matched.setdefault(item.prompt_id, []).extend(o is not None for o in outcomes)
         assert rounds == expected, k
+        assert drafted == expected_drafted, k
         assert matched == expected_matched and any(any(m) for m in matched.values())
         accepted += sum(sum(r) for r in rounds.values())
         chat = sets[0]
@@ -88,7 +91,8 @@ def test_stopped_replies_carry_their_stop_token(target, tiny_llama_dir):
         prompt = item.tokens[: item.prompt_length].tolist()
         result = speculative_generate(target, draft, prompt, 20, num_draft_tokens=3, stop_ids=[FAVOURED])
         assert len(row.accepted_per_round) == len(result.accepted_per_round)
-        assert row.accepted_per_round[:-1] == result.accepted_per_round[:-1]
+        end = -1 if item.stopped else None
+        assert row.accepted_per_round[:end] == result.accepted_per_round[:end]
 
 
 def test_references_save_and_load(references, tmp_path):
@@ -110,6 +114,9 @@ def test_references_save_and_load(references, tmp_path):
             b.reply_length,
         )
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.aux, b.aux)
+    References("tiny", "float32", [1, 2, 3], 20, False, []).save(tmp_path / "empty.safetensors")
+    with pytest.raises(ConfigError, match="hold no reply"):
+        References.load(tmp_path / "empty.safetensors")
     with pytest.raises(ConfigError, match="no such references file"):
         References.load(tmp_path / "missing.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
@@ -205,3 +212,15 @@ def test_the_commands(target, tiny_llama_dir, tmp_path):
     assert (out / "results.md").read_text() in scored.stdout
     missing = wingspan("replay", "score", "--references", str(tmp_path / "none"), "--draft", str(tmp_path / "a"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such references file" in missing.stderr
+    # a draft of another target: refused in one line, before any draft is scored
+    config = json.loads((tmp_path / "a" / "draft_config.json").read_text())
+    config["target_hidden_size"] *= 2
+    (tmp_path / "b" / "draft_config.json").write_text(json.dumps(config))
+    other = wingspan("replay", "score", "--references", str(refs), "--draft", str(tmp_path / "b"), "--device", "cpu")
+    last = other.stderr.strip().splitlines()[-1]
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr
+    assert last.startswith("error: ") and "trained on a target with hidden size 64" in last
+    twice = wingspan(
+        "replay", "score", "--references", str(refs), "--draft", str(tmp_path / "a"), "--draft", str(tmp_path / "a")
+    )
+    assert twice.returncode == 2 and "given twice" in twice.stderr

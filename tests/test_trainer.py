@@ -17,7 +17,7 @@ from wingspan.models.target import TargetModel
 from wingspan.train.distributed import World
 from wingspan.train.features import OnlineFeatures
 from wingspan.train.trainer import learning_rate, prepare_draft, train, train_step
-from wingspan.train.ttt import ttt_forward
+from wingspan.train.ttt import step_weights_of, ttt_forward
 
 VOCAB = 128
 
@@ -131,21 +131,26 @@ def test_the_step_called_alone_is_the_loops_step(tiny_target, tmp_path):
 
 
 def test_the_repeat_weight_reaches_the_step_objective(tiny_target, tmp_path):
-    """A step's objective is the TTT loss with the config's repeat_weight, normalised over the step's weights."""
+    """A step of two accumulated micro-batches optimises the weighted mean over both: each micro-batch's own
+    weighted mean (`ttt_forward` alone), weighed by its share of the step's weights."""
     d2t, t2d = identity_vocab()
     g = torch.Generator().manual_seed(1)
-    data = [TokenizedConversation(torch.randint(2, 6, (20,), generator=g).tolist(), [0] * 4 + [1] * 16)] * 2
+    data = [TokenizedConversation(torch.randint(2, 6, (20,), generator=g).tolist(), [0] * 4 + [1] * 16) for _ in "ab"]
     objectives = {}
     for weight in (1.0, 3.0):
-        cfg = config(tmp_path / str(weight), max_steps=1, repeat_weight=weight)
+        cfg = config(
+            tmp_path / str(weight), max_steps=1, grad_accum=2, batch_tokens=32, ttt_steps=1, repeat_weight=weight
+        )
         torch.manual_seed(cfg.seed)
         trainee = prepare_draft(tiny_target, cfg, d2t, t2d, World())
-        group = [collate(data, plan_epoch([20, 20], cfg, 0, cfg.shuffle)[0], pad_id=0)]
+        plan = plan_epoch([20, 20], cfg, 0, cfg.shuffle)
+        group = [collate(data, plan[0], pad_id=0), collate(data, plan[1], pad_id=0)]
         features = OnlineFeatures(tiny_target, d2t)
-        weights = [cfg.step_decay**j for j in range(cfg.ttt_steps)]
-        expected = ttt_forward(trainee.draft, features(group[0]), cfg.ttt_steps, weights, repeat_weight=weight)
+        alone = [float(ttt_forward(trainee.draft, features(m), 1, [1.0], repeat_weight=weight).loss) for m in group]
+        shares = [float(step_weights_of(m.loss_mask, m.positions, m.input_ids, 1, weight).sum()) for m in group]
+        expected = sum(loss * share for loss, share in zip(alone, shares)) / sum(shares)
         step = train_step(trainee, group, features, learning_rate(0, 1, cfg), cfg, World())
-        assert float(step.loss) == pytest.approx(float(expected.loss.detach()), rel=1e-6)
+        assert float(step.loss) == pytest.approx(expected, rel=1e-6)
         objectives[weight] = float(step.loss)
     assert objectives[3.0] != pytest.approx(objectives[1.0], rel=1e-3)
 

@@ -15,6 +15,7 @@ from wingspan.train.ttt import (
     repeated_bigrams,
     simulated_acceptance_length,
     step_masks,
+    step_weights_of,
     ttt_forward,
     unroll,
 )
@@ -210,6 +211,15 @@ def test_repeat_weight_weighs_the_positions_lookup_would_copy():
     torch.testing.assert_close(plain.loss, cross_entropy.mean(), rtol=1e-5, atol=1e-5)
     assert weighted.loss_sum.tolist() == plain.loss_sum.tolist()  # the logged loss stays unweighted
     assert weighted.count.tolist() == plain.count.tolist() == [20.0]
+    # later steps: step j at origin i predicts x_{i+j+2} from a context that ends at x_{i+j+1}
+    repeated, steps = repeated_bigrams(ids, batch.positions), 3
+    weights = step_weights_of(batch.loss_mask, batch.positions, ids, steps, 4.0)
+    for j in range(steps):
+        for b in range(2):
+            for i in range(12):
+                counted = i + j + 2 < 12
+                expected = (4.0 if repeated[b, i + j + 1] else 1.0) if counted else 0.0
+                assert weights[j, b, i] == expected, (j, b, i)
 
 
 def test_simulated_acceptance_length():

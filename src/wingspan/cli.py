@@ -464,7 +464,14 @@ def replay_references(
         bool, typer.Option("--first-turns", help="Only each prompt's first turn (MT-bench has two).")
     ] = False,
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together (greedy, batched).")] = 8,
-    dtype: DtypeOption = "bfloat16",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Target dtype, as for eval: the replay equals the decoder's rounds exactly in float32 (fp32); in "
+            "bf16 a near-tie can round differently.",
+            parser=dtype_name,
+        ),
+    ] = "bfloat16",
     device: DeviceOption = "auto",
     chat_template: TemplateOption = None,
     chat_template_kwargs: TemplateVariablesOption = "{}",
@@ -483,7 +490,9 @@ def replay_references(
     layers = parse_ints(aux_layer_ids, "--aux-layer-ids") if aux_layer_ids else None
     templates = template_options(chat_template, chat_template_kwargs)
     model = TargetModel.load(target, dtype=dtype, aux_layer_ids=layers, device=where, **templates)
-    references = build_references(model, target, dtype, prompt_sets, max_new_tokens, first_turns, batch_size)
+    # a checkpoint directory by its full path, so that the references can be scored from anywhere
+    name = str(Path(target).resolve()) if Path(target).is_dir() else target
+    references = build_references(model, name, dtype, prompt_sets, max_new_tokens, first_turns, batch_size)
     references.save(out)
     turns = len(references.items)
     typer.echo(f"wrote {out}: {turns} replies, aux layers {references.aux_layer_ids}")
@@ -513,23 +522,28 @@ def replay_score(
     that with `wingspan eval`)."""
     import json
 
-    from wingspan.decode.primitives import check_compatible
     from wingspan.devices import resolve_device, use_cpu_threads
-    from wingspan.eval.replay import References, comparison, markdown, replay
-    from wingspan.eval.runner import load_draft
+    from wingspan.eval.replay import References, comparison, markdown, replay, require_layers
+    from wingspan.eval.runner import load_draft, read_draft_config, require_fit
     from wingspan.files import write_text_atomically
     from wingspan.models.target import TargetModel
 
     sizes = parse_ngram_sizes(ngram_sizes)
+    if len(set(map(str, draft))) < len(draft):
+        raise ConfigError("--draft: a draft is given twice")
     loaded = References.load(references)
+    # Every draft is read and checked before the scoring starts (its layers before the target loads).
+    configs = [read_draft_config(directory) for directory in draft]
+    for directory, config in zip(draft, configs, strict=True):
+        require_layers(config.aux_layer_ids, loaded, directory)
     where = resolve_device(device)
     use_cpu_threads(where, threads)
     model = TargetModel.load(loaded.target, dtype=loaded.dtype, aux_layer_ids=loaded.aux_layer_ids, device=where)
+    for directory, config in zip(draft, configs, strict=True):
+        require_fit(config, directory, model, loaded.target)
     scored = {}
     for directory in draft:
-        candidate = load_draft(directory, model)
-        check_compatible(model, candidate)
-        scored[str(directory)] = replay(candidate, loaded, num_draft_tokens, sizes)
+        scored[str(directory)] = replay(load_draft(directory, model), loaded, num_draft_tokens, sizes)
     rows = comparison(scored)
     text = markdown(rows, loaded, str(references), num_draft_tokens)
     if out is not None:

@@ -30,9 +30,11 @@ from wingspan.decode.lookup import lookup_drafts
 from wingspan.errors import ConfigError
 from wingspan.eval.metrics import acceptance_length, acceptance_per_position
 from wingspan.eval.prompts import EvalPrompt
+from wingspan.eval.runner import run_conversations
 from wingspan.files import atomic_file
 from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
+from wingspan.study.fit import bootstrap_interval, prompts_tau
 from wingspan.train.ttt import shift_left, unroll
 
 FORMAT = "wingspan-replay-references/1"
@@ -95,9 +97,11 @@ class References:
                     Reference(**row, tokens=handle.get_tensor(f"tokens.{i}"), aux=handle.get_tensor(f"aux.{i}"))
                     for i, row in enumerate(header["items"])
                 ]
+            fields = {k: header[k] for k in ("target", "dtype", "aux_layer_ids", "max_new_tokens", "first_turns")}
         except (OSError, SafetensorError, ValueError, KeyError, TypeError) as error:
-            raise ConfigError(f"{path}: not a readable references file ({error})") from None
-        fields = {k: header[k] for k in ("target", "dtype", "aux_layer_ids", "max_new_tokens", "first_turns")}
+            raise ConfigError(f"{path}: not a readable references file ({type(error).__name__}: {error})") from None
+        if not items:
+            raise ConfigError(f"{path}: the references hold no reply")
         return cls(**fields, items=items)
 
     def set_names(self) -> list[str]:
@@ -115,8 +119,8 @@ def build_references(
 ) -> References:
     """Greedy replies to every prompt (`batch_size` prompts per batched decoding call; each turn after the
     target's own previous reply), then one target forward over each turn for its aux features. A reply that
-    ended on a stop token gets that token back: the target's argmax after the reply, read off the same forward."""
-    from wingspan.eval.runner import run_conversations  # the runner imports this module
+    ended on a stop token gets that token back: of the target's stop ids, the one it ranks first after the
+    reply (the same forward's logits)."""
 
     def plain(prompts, new_tokens, generator):
         return plain_generate_batch(target, prompts, new_tokens)
@@ -133,9 +137,10 @@ def build_references(
                     ids = torch.tensor([turn.prompt_ids + turn.result.tokens])
                     out = target.forward(ids)
                     tokens = ids[0]
-                    if turn.result.stopped:
-                        stop = out.logits[0, -1].argmax().view(1).to(tokens.device)
-                        tokens = torch.cat([tokens, stop])
+                    if turn.result.stopped:  # the stop id the target ranks first after the reply
+                        stops = target.eos_token_ids
+                        stop = stops[int(out.logits[0, -1, stops].argmax())]
+                        tokens = torch.cat([tokens, tokens.new_tensor([stop])])
                     items.append(
                         Reference(
                             set_name=name,
@@ -183,7 +188,7 @@ def replay_rounds(
         while accepted < depth and bool(hits[accepted, origin]):
             accepted += 1
         accepted_per_round.append(accepted)
-        drafted_per_round.append(max(depth, 0))
+        drafted_per_round.append(depth)
         produced += accepted + 1
     return accepted_per_round, drafted_per_round
 
@@ -221,19 +226,20 @@ def lookup_matches(
     return matched
 
 
+def require_layers(aux_layer_ids: list[int], references: References, draft: str | Path = "the draft") -> None:
+    if list(aux_layer_ids) != list(references.aux_layer_ids):
+        raise ConfigError(
+            f"{draft} reads aux layers {list(aux_layer_ids)}; the references hold {references.aux_layer_ids} "
+            "(build references with the draft's layers: --aux-layer-ids)"
+        )
+
+
 def replay(
     draft: Eagle3Draft, references: References, num_draft_tokens: int, ngram_sizes: tuple[int, int] = (2, 4)
 ) -> list[ReplayedSet]:
     """Every reference's rounds for `draft`'s chains, gathered per prompt (its turns together) and per set, with
     where prompt lookup of `ngram_sizes` would have proposed."""
-    if list(draft.config.aux_layer_ids) != list(references.aux_layer_ids):
-        raise ConfigError(
-            f"the draft reads aux layers {draft.config.aux_layer_ids}; the references hold "
-            f"{references.aux_layer_ids} (build references with the draft's layers)"
-        )
-    width = references.items[0].aux.shape[-1] if references.items else None
-    if width is not None and width != draft.fc.weight.shape[1]:
-        raise ConfigError(f"the references' features are {width} wide; the draft reads {draft.fc.weight.shape[1]}")
+    require_layers(draft.config.aux_layer_ids, references)
     per_prompt: dict[tuple[str, str], ReplayedPrompt] = {}
     for item in references.items:
         hits = chain_hits(draft, item.tokens, item.aux, num_draft_tokens)
@@ -276,19 +282,17 @@ def pooled(sets: list[ReplayedSet]) -> list[list[tuple[int, int]]]:
 def comparison(drafts: dict[str, list[ReplayedSet]]) -> list[dict]:
     """Per draft: tau per set, pooled tau with its 95% prompt-bootstrap interval and, from the second draft
     on, the paired 95% interval of its difference from the first (the same prompts drawn for both)."""
-    from wingspan.study.fit import bootstrap_interval, prompts_tau
-
-    rows, baseline = [], None
+    rows, baseline, baseline_tau = [], None, None
     for label, sets in drafts.items():
         strata = pooled(sets)
         row = {
             "draft": label,
             "sets": {result.name: result.acceptance_length for result in sets},
             "tau": prompts_tau([p for stratum in strata for p in stratum]),
-            "tau_interval": bootstrap_interval(strata, lambda items: prompts_tau(items)) if strata else None,
+            "tau_interval": None,
             "difference": None,
             "difference_interval": None,
-            # (prompt id, rounds, accepted drafts) per prompt: what a later paired comparison resamples
+            # (prompt id, rounds, accepted drafts) per prompt: what a paired comparison of runs resamples
             "prompts": {result.name: [[p.id, p.rounds, p.accepted] for p in result.prompts] for result in sets},
         }
         accepted = [a for result in sets for p in result.prompts for a in p.accepted_per_round]
@@ -302,12 +306,14 @@ def comparison(drafts: dict[str, list[ReplayedSet]]) -> list[dict]:
         row["tau_with_match"] = acceptance_length(len(matched), sum(matched))
         unmatched = [a for a, m in rounds if not m]
         row["tau_without_match"] = acceptance_length(len(unmatched), sum(unmatched))
+        if row["tau"] is not None:
+            row["tau_interval"] = bootstrap_interval(strata, prompts_tau)
         if baseline is None:
-            baseline = strata
-        elif strata:
+            baseline, baseline_tau = strata, row["tau"]
+        elif row["tau"] is not None and baseline_tau is not None:
             # item k of stratum s: prompt k of set s, for this draft and the first alike
             pairs = [list(zip(a, b, strict=True)) for a, b in zip(strata, baseline, strict=True)]
-            row["difference"] = row["tau"] - prompts_tau([p for stratum in baseline for p in stratum])
+            row["difference"] = row["tau"] - baseline_tau
             row["difference_interval"] = bootstrap_interval(
                 pairs, lambda items: prompts_tau([a for a, _ in items]) - prompts_tau([b for _, b in items])
             )

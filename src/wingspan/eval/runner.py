@@ -429,12 +429,7 @@ def load_models(
     """The target, capturing the aux layers the draft was trained on, and the draft (a wingspan draft directory
     or an export of any format) on the target's device and in its dtype, as a serving engine runs it."""
     directory = Path(draft)
-    if detect_format(directory) is not None:
-        config = export_config(directory)
-    elif (directory / "draft_config.json").is_file():
-        config = load(DraftConfig, directory / "draft_config.json")
-    else:
-        no_export(directory)
+    config = read_draft_config(directory)
     model = TargetModel.load(
         target,
         dtype=dtype,
@@ -443,12 +438,27 @@ def load_models(
         chat_template=chat_template,
         chat_template_kwargs=chat_template_kwargs,
     )
-    if (config.target_hidden_size, config.vocab_size) != (model.hidden_size, model.vocab_size):
+    require_fit(config, directory, model, target)
+    return model, load_draft(directory, model)
+
+
+def read_draft_config(directory: Path) -> DraftConfig:
+    """The config of a wingspan draft directory or of an export of any format (an error naming the directory
+    when it is neither)."""
+    if detect_format(directory) is not None:
+        return export_config(directory)
+    if (directory / "draft_config.json").is_file():
+        return load(DraftConfig, directory / "draft_config.json")
+    no_export(directory)
+
+
+def require_fit(config: DraftConfig, directory: Path, target: TargetModel, target_name: str) -> None:
+    """The draft was trained on a target of this one's hidden size and vocab."""
+    if (config.target_hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
         raise ConfigError(
             f"{directory}: the draft was trained on a target with hidden size {config.target_hidden_size} and "
-            f"vocab {config.vocab_size}; {target} has {model.hidden_size} and {model.vocab_size}"
+            f"vocab {config.vocab_size}; {target_name} has {target.hidden_size} and {target.vocab_size}"
         )
-    return model, load_draft(directory, model)
 
 
 def load_draft(directory: Path, target: TargetModel) -> Eagle3Draft:

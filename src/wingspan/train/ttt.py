@@ -123,7 +123,8 @@ def step_masks(loss_mask: torch.Tensor, positions: torch.Tensor, steps: int) -> 
 
 def repeated_bigrams(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: token t and the one before it occurred as a pair earlier in t's conversation, so that
-    prompt lookup would propose the token after their earlier occurrence. Vectorised (no host sync)."""
+    prompt lookup would propose the token after their earlier occurrence. Vectorised; on a GPU `torch.unique`
+    reads its output size back (one host sync per call, only with a repeat_weight)."""
     batch, length = input_ids.shape
     seen = torch.zeros_like(input_ids, dtype=torch.bool)
     if length < 2:
