@@ -196,13 +196,19 @@ def replay_rounds(
 @dataclass
 class ReplayedPrompt:
     id: str
-    rounds: int
-    accepted: int  # drafts accepted over all its turns
-    accepted_per_round: list[int]
+    accepted_per_round: list[int]  # over all its turns
     drafted_per_round: list[int]
     # per round: whether prompt lookup would have proposed drafts there (the context ends in an n-gram seen
     # earlier in it, `wingspan.decode.lookup`), to split the draft's rounds as `wingspan eval` does
     lookup_matched: list[bool]
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted_per_round)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_round)
 
 
 @dataclass
@@ -247,10 +253,8 @@ def replay(
             hits, item.prompt_length, item.reply_length, references.max_new_tokens, num_draft_tokens
         )
         key = (item.set_name, item.prompt_id)
-        row = per_prompt.setdefault(key, ReplayedPrompt(item.prompt_id, 0, 0, [], [], []))
+        row = per_prompt.setdefault(key, ReplayedPrompt(item.prompt_id, [], [], []))
         row.lookup_matched += lookup_matches(item.tokens.tolist(), item.prompt_length, accepted, drafted, ngram_sizes)
-        row.rounds += len(accepted)
-        row.accepted += sum(accepted)
         row.accepted_per_round += accepted
         row.drafted_per_round += drafted
     sets = []
