@@ -1,6 +1,7 @@
 """The `wingspan` command end to end on a tiny random target: train -> resume -> export, and clear errors."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,14 @@ from conftest import write_counting_conversations
 from safetensors.torch import load_file
 
 
-def wingspan(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def wingspan(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "wingspan", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+        [sys.executable, "-m", "wingspan", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -202,6 +208,28 @@ def test_vocab_reads_the_given_targets_tokenizer(tiny_llama_dir, conversations, 
     vocab = DraftVocab.load(out)
     assert (vocab.draft_vocab_size, vocab.target_vocab_size) == (40, 49152)
     assert "device" not in result.stderr  # no model was loaded
+
+
+def test_vocab_from_a_hub_dataset_is_the_vocab_from_its_file(tiny_llama_dir, conversations, tmp_path):
+    pytest.importorskip("datasets")
+    from test_conversations import hub_repository
+
+    rows = [json.loads(line) for line in conversations.read_text().splitlines()]
+    repository = hub_repository(tmp_path / "repo", {"train": rows})
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf-cache")}
+    for source, out in [(str(conversations), "file.safetensors"), (f"hub:{repository}", "hub.safetensors")]:
+        result = wingspan(
+            "vocab", source, "--out", str(tmp_path / out), "--size", "40", "--target", str(tiny_llama_dir), env=offline
+        )
+        assert result.returncode == 0, result.stderr
+    assert load_file(tmp_path / "file.safetensors").keys() == load_file(tmp_path / "hub.safetensors").keys()
+    for name, tensor in load_file(tmp_path / "file.safetensors").items():
+        assert torch.equal(tensor, load_file(tmp_path / "hub.safetensors")[name]), name
+    result = wingspan(
+        "vocab", "hub:no-such/set", "--out", str(tmp_path / "x"), "--target", str(tiny_llama_dir), env=offline
+    )
+    assert result.returncode == 2 and result.stderr.startswith("error: hub:no-such/set: cannot load it")
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("command", [["eval", "--draft", "d", "--out", "o"], ["data", "synth", "--out", "o"]])

@@ -309,3 +309,95 @@ def test_regeneration_asks_each_user_turn_after_its_own_replies():
         ("user", "q2"),
         ("assistant", "new 2"),
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# dataset sources: parquet, arrow, saved datasets and the hub (a local copy of a repository, the hub switched off)
+
+
+@pytest.fixture
+def offline_datasets(monkeypatch, tmp_path):
+    """`datasets` with its cache in tmp_path and the hub switched off: a read that reached for the network fails."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    return datasets
+
+
+def hub_repository(directory: Path, splits: dict[str, list[dict]]) -> Path:
+    """A dataset repository as the hub serves it: parquet files per split, named by a README's `configs`."""
+    import datasets
+
+    (directory / "data").mkdir(parents=True)
+    for split, rows in splits.items():
+        datasets.Dataset.from_list(rows).to_parquet(str(directory / "data" / f"{split}-00000-of-00001.parquet"))
+    listed = "".join(f"  - split: {split}\n    path: data/{split}-*\n" for split in splits)
+    (directory / "README.md").write_text(f"---\nconfigs:\n- config_name: default\n  data_files:\n{listed}---\n")
+    return directory
+
+
+def summary(conversations: list[Conversation]) -> list[tuple[str, list[tuple[str, str]]]]:
+    return [(c.id, [(m.role, m.content) for m in c.messages]) for c in conversations]
+
+
+def test_dataset_sources_read_as_their_jsonl(offline_datasets, tmp_path):
+    jsonl = DATA / "sharegpt500_smollm2_regen_excerpt.jsonl"
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    expected = summary(read_conversations(jsonl)[0])
+    dataset = offline_datasets.Dataset.from_list(rows)
+    dataset.to_parquet(str(tmp_path / "chats.parquet"))
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    offline_datasets.DatasetDict({"train": dataset, "test": dataset.select([0])}).save_to_disk(str(tmp_path / "dict"))
+    repository = hub_repository(tmp_path / "repo", {"train": rows, "test": rows[:1]})
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+
+    for source in [tmp_path / "chats.parquet", arrow, tmp_path / "saved", f"hub:{repository}"]:
+        conversations, report = read_conversations(source)
+        assert summary(conversations) == expected, source
+        assert report.summary() == f"kept all {len(rows)}"
+    assert conversations[1].source == f"hub:{repository}:train[row 1]"
+    assert summary(read_conversations(f"hub:{repository}:test")[0]) == expected[:1]
+    assert summary(read_conversations(f"{tmp_path / 'dict'}?split=test")[0]) == expected[:1]
+    with pytest.raises(DataError, match=r"a dataset of splits \['train', 'test'\]; choose one with .*\?split=NAME"):
+        read_conversations(tmp_path / "dict")
+
+    # A column of another name is read under the field the formats expect.
+    renamed = [{"id": r["id"], "dialog": r["conversations"]} for r in rows]
+    renamed_repository = hub_repository(tmp_path / "renamed", {"train": renamed})
+    assert summary(read_conversations(f"hub:{renamed_repository}?conversations=dialog")[0]) == expected
+    with pytest.raises(DataError, match=r"\[row 0\]: unknown record format \(keys: dialog, id\)"):
+        read_conversations(f"hub:{renamed_repository}", strict=True)
+    with pytest.raises(DataError, match=r"no column\(s\) \['talk'\] to read as \['conversations'\]; it has"):
+        read_conversations(f"hub:{renamed_repository}?conversations=talk")
+
+
+def test_dataset_sources_name_the_row_and_what_is_missing(offline_datasets, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 2
+    rows.append({"messages": [{"role": "narrator", "content": "once"}]})
+    repository = hub_repository(tmp_path / "repo", {"train": rows})
+    with pytest.raises(DataError, match=rf"^hub:{repository}:train\[row 2\]: messages\[0\].role: unknown role"):
+        read_conversations(f"hub:{repository}", strict=True)
+    conversations, report = read_conversations(f"hub:{repository}")
+    assert len(conversations) == 2 and report.counts == {"unknown role": 1}
+
+    with pytest.raises(DataError, match=rf"hub:{repository}:validation: cannot load it"):
+        read_conversations(f"hub:{repository}:validation")
+    with pytest.raises(DataError, match="hub:no-such/dataset: cannot load it"):
+        read_conversations("hub:no-such/dataset")  # the hub is off here, as on a machine without network
+    with pytest.raises(DataError, match="no dataset id after 'hub:'"):
+        read_conversations("hub:")
+    with pytest.raises(DataError, match=rf"{tmp_path / 'nope.parquet'}: file not found"):
+        read_conversations(tmp_path / "nope.parquet")
+
+
+def test_a_dataset_sources_fingerprint_is_what_it_reads(offline_datasets, tmp_path):
+    from wingspan.data.conversations import source_sha256
+
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    other = [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}]}]
+    repository = hub_repository(tmp_path / "repo", {"train": rows, "test": other})
+    copy = hub_repository(tmp_path / "copy", {"train": rows, "test": other})
+    assert source_sha256(f"hub:{repository}") == source_sha256(f"hub:{repository}:train")
+    assert source_sha256(f"hub:{repository}") != source_sha256(f"hub:{repository}:test")
+    assert source_sha256(f"hub:{repository}") != source_sha256(f"hub:{repository}?conversations=messages")
+    assert source_sha256(f"hub:{copy}:test") == source_sha256(f"hub:{repository}:test")  # the rows, not the path

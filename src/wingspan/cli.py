@@ -143,7 +143,11 @@ def data_synth(
 @data_app.command("regenerate")
 def data_regenerate(
     source: Annotated[
-        Path, typer.Argument(help="Conversations or prompts (ShareGPT, OpenAI messages, EAGLE questions).")
+        str,
+        typer.Argument(
+            help="Conversations or prompts (ShareGPT, OpenAI messages, EAGLE questions): a .jsonl/.json file, "
+            "parquet, arrow, a saved dataset directory, or hub:ID[:SPLIT] (docs/training.md)."
+        ),
     ],
     out: Annotated[Path, typer.Option(help="Output JSONL of conversations.")],
     target: TargetOption = "smollm2-135m-instruct",
@@ -213,7 +217,9 @@ def data_regenerate(
 
 @app.command("vocab")
 def vocab(
-    data: Annotated[list[Path], typer.Argument(help="Training conversation files.")],
+    data: Annotated[
+        list[str], typer.Argument(help="Training conversations: files, dataset directories or hub:ID[:SPLIT].")
+    ],
     out: Annotated[Path, typer.Option(help="Output vocab.safetensors.")],
     size: Annotated[int, typer.Option(min=1, help="Draft vocab size.")] = 16384,
     target: TargetOption = "smollm2-135m-instruct",
@@ -227,7 +233,7 @@ def vocab(
     from wingspan.pipeline import build_vocab, tokenized_dataset
 
     text = TargetVocabulary.load(target, **template_options(chat_template, chat_template_kwargs))
-    build_vocab(text, tokenized_dataset([str(p) for p in data], text.tokenizer, max_length), size, out)
+    build_vocab(text, tokenized_dataset(data, text.tokenizer, max_length), size, out)
 
 
 @app.command("dump", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -632,8 +638,11 @@ def parse_ints(text: str, option: str) -> list[int]:
 def study_layers(
     ctx: typer.Context,
     data: Annotated[
-        list[Path],
-        typer.Option(help="Training conversations (repeat for several files); regenerate them with the target first."),
+        list[str],
+        typer.Option(
+            help="Training conversations (repeat for several sources: files, dataset directories, hub:ID[:SPLIT]); "
+            "regenerate them with the target first."
+        ),
     ],
     budget_tokens: Annotated[int, typer.Option(min=1, help="Training tokens per setting (prompts included).")],
     out: Annotated[Path, typer.Option(help="Study directory; re-running the same command continues it.")],
@@ -664,7 +673,7 @@ def study_layers(
         StudyConfig,
         dict(
             target=target,
-            data=[str(d) for d in data],
+            data=data,
             budget_tokens=budget_tokens,
             layers=parse_ints(layers, "--layers"),
             injection=[m.strip() for m in injection.split(",") if m.strip()],

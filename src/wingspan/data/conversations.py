@@ -10,7 +10,15 @@ Formats, detected per record (a file may mix them):
 - Q&A           {"question", "answer"}                                  (GSM8K)
 - HumanEval     {"task_id", "prompt", "canonical_solution"}
 
-Files are .jsonl (one record per line) or .json (an array of records), optionally gzipped (.jsonl.gz).
+A source is a file, .jsonl (one record per line) or .json (an array of records), optionally gzipped
+(.jsonl.gz), or a dataset read by the `datasets` package, whose rows are the records:
+- a .parquet or .arrow file;
+- a directory written by `datasets` (`save_to_disk`);
+- `hub:ID[:SPLIT]`, a dataset on the Hugging Face hub (streamed; split `train` by default), or a local copy of
+  its repository given as `hub:DIR[:SPLIT]`.
+A dataset source takes options after `?`: `config=NAME`, `split=NAME`, and `FIELD=COLUMN` to read a column
+under the name these formats expect (`hub:org/chats:train?conversations=dialog`). Errors name the source and
+the row (`hub:org/chats:train[row 7]`).
 """
 
 from __future__ import annotations
@@ -22,12 +30,14 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl
 
 from wingspan.config import read_mapping
-from wingspan.errors import DataError
-from wingspan.files import write_text_atomically
+from wingspan.errors import DataError, import_optional
+from wingspan.files import sha256_of, write_text_atomically
 
 Role = Literal["system", "user", "assistant"]
 
@@ -115,7 +125,8 @@ class _Malformed:
 def read_conversations(
     path: str | Path, strict: bool = False, require_assistant: bool = False
 ) -> tuple[list[Conversation], SkipReport]:
-    """Read every conversation in `path`, normalised so that any chat template accepts it.
+    """Read every conversation in `path` (a file or a dataset source: the module docstring), normalised so
+    that any chat template accepts it.
 
     Bad records (not JSON, unknown format, missing field, unknown role, non-string content) raise DataError
     naming `file:line` (or `file[index]`) and the field when `strict`; otherwise they are skipped and counted.
@@ -131,15 +142,15 @@ def read_conversations(
     when `strict`, because the records are well formed. EAGLE prompt sets keep their user turns as they are:
     each turn is asked after the model answered the previous one.
 
-    A missing or empty file, or one with no usable conversation, is always a DataError.
+    A missing or empty source, or one with no usable conversation, is always a DataError.
     """
-    path = Path(path)
     report = SkipReport()
     conversations: list[Conversation] = []
-    for number, (source, record) in enumerate(_records(path)):
+    stem = _stem(str(path))
+    for number, (source, record) in enumerate(_records(str(path))):
         report.total += 1
         try:
-            parsed = _parse_record(record, source, default_id=f"{path.stem}-{number}")
+            parsed = _parse_record(record, source, default_id=f"{stem}-{number}")
         except _BadRecord as bad:
             if strict:
                 raise DataError(f"{source}: {bad.detail}") from None
@@ -159,11 +170,48 @@ def read_conversations(
     return conversations, report
 
 
-def _records(path: Path) -> Iterator[tuple[str, Any]]:
-    """Yield (source, record) for each record of a .jsonl or .json file (gzipped or not)."""
+DATASET_FILE_TYPES = {".parquet": "parquet", ".arrow": "arrow"}  # suffix -> `datasets` builder
+HUB_PREFIX = "hub:"
+
+
+def is_dataset_source(spec: str) -> bool:
+    """Whether `spec` is read through `datasets` (a hub id, a saved dataset directory, parquet or arrow)."""
+    base = spec if Path(spec).exists() else spec.partition("?")[0]
+    return base.startswith(HUB_PREFIX) or Path(base).is_dir() or Path(base).suffix in DATASET_FILE_TYPES
+
+
+def _stem(spec: str) -> str:
+    if spec.startswith(HUB_PREFIX):
+        return spec.partition("?")[0].removeprefix(HUB_PREFIX).split(":")[0].rstrip("/").rsplit("/", 1)[-1]
+    return Path(spec.partition("?")[0] if is_dataset_source(spec) else spec).name.removesuffix(".gz").split(".")[0]
+
+
+def source_sha256(spec: str) -> str:
+    """What a source holds, for fingerprints: a file's sha256; for a dataset source, the sha256 of its records
+    as read (after the column options), so that another split, config or mapping is another source."""
+    return _records_sha256(spec) if is_dataset_source(spec) else sha256_of(spec)
+
+
+@cache  # a hub dataset is streamed: once per process is enough
+def _records_sha256(spec: str) -> str:
+    digest = hashlib.sha256()
+    for _, record in _dataset_records(spec):
+        digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def _records(spec: str) -> Iterator[tuple[str, Any]]:
+    """Yield (source, record) for each record of a .jsonl or .json file (gzipped or not) or dataset source."""
+    if is_dataset_source(spec):
+        yield from _dataset_records(spec)
+        return
+    path = Path(spec)
     name = path.name.removesuffix(".gz")
     if not name.endswith((".jsonl", ".json")):
-        raise DataError(f"{path}: unsupported file type; expected .jsonl or .json (optionally .gz)")
+        raise DataError(
+            f"{path}: unsupported file type; expected .jsonl or .json (optionally .gz), .parquet, .arrow, "
+            "a dataset directory or hub:ID"
+        )
     try:
         opener = gzip.open if path.name.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8") as f:
@@ -191,6 +239,61 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
         raise DataError(f"{path}: a .json file must hold an array of records, got a {type(records).__name__}")
     for index, record in enumerate(records):
         yield f"{path}[{index}]", record
+
+
+def _dataset_records(spec: str) -> Iterator[tuple[str, Any]]:
+    """Yield (source, record) for each row of a dataset source (module docstring), its columns renamed."""
+    base, _, query = spec.partition("?")
+    if Path(spec).exists():
+        base, query = spec, ""
+    options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False))
+    if query and not options:
+        raise DataError(f"{spec}: cannot read the options after '?'; expected KEY=VALUE&KEY=VALUE")
+    config, split = options.pop("config", None), options.pop("split", None)
+    renames = options  # field -> column
+    datasets = import_optional("datasets", "datasets", f"reading {base}")
+    try:
+        if base.startswith(HUB_PREFIX):
+            dataset_id, _, named_split = base.removeprefix(HUB_PREFIX).partition(":")
+            if not dataset_id:
+                raise DataError(f"{spec}: no dataset id after {HUB_PREFIX!r}; expected hub:ID[:SPLIT]")
+            split = named_split or split or "train"
+            label = f"{HUB_PREFIX}{dataset_id}:{split}"
+            rows = datasets.load_dataset(dataset_id, config, split=split, streaming=True)
+        elif Path(base).is_dir():
+            label = base
+            rows = datasets.load_from_disk(base)
+            if isinstance(rows, datasets.DatasetDict):
+                if split is None and len(rows) != 1:
+                    raise DataError(f"{base}: a dataset of splits {list(rows)}; choose one with {base}?split=NAME")
+                label = f"{base}:{split or next(iter(rows))}"
+                rows = rows[split or next(iter(rows))]
+        else:
+            if not Path(base).is_file():
+                raise DataError(f"{base}: file not found")
+            label = base
+            rows = datasets.load_dataset(
+                DATASET_FILE_TYPES[Path(base).suffix], data_files=base, split="train", streaming=True
+            )
+        columns = rows.column_names
+    except DataError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as error:  # not found, offline, no such config or split
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{spec}: cannot load it ({first_line})") from None
+    if columns is not None:
+        missing = {field: column for field, column in renames.items() if column not in columns}
+        if missing:
+            raise DataError(
+                f"{spec}: no column(s) {sorted(missing.values())} to read as {sorted(missing)}; it has {columns}"
+            )
+    for index, row in enumerate(rows):
+        record = dict(row)
+        for field_name, column in renames.items():
+            if column not in record:
+                raise DataError(f"{label}[row {index}]: no column {column!r} to read as {field_name!r}")
+            record[field_name] = record.pop(column)
+        yield f"{label}[row {index}]", record
 
 
 def _parse_record(record: Any, source: str, default_id: str) -> list[Conversation]:

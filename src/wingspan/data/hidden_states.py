@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from wingspan.config import TrainConfig, from_dict, read_mapping, save_json
 from wingspan.data.batching import collate, plan_packed
+from wingspan.data.conversations import source_sha256
 from wingspan.data.template import TokenizedConversation
 from wingspan.errors import ConfigError, DataError
 from wingspan.files import atomic_file, inside, sha256_of
@@ -134,7 +135,7 @@ def dump_identity(config: TrainConfig, target) -> DumpIdentity:
         aux_layer_ids=list(target.aux_layer_ids),
         target_dtype=config.target_dtype,
         max_length=config.max_length,
-        data=[DataFile(path, sha256_of(path)) for path in config.data],
+        data=[DataFile(path, source_sha256(path)) for path in config.data],
         learn_reasoning=config.learn_reasoning,
     )
 

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from wingspan.config import TrainConfig, to_dict
+from wingspan.data.conversations import source_sha256
 from wingspan.data.template import TokenizedConversation
 from wingspan.errors import CheckpointError, ConfigError
-from wingspan.files import sha256_of, write_text_atomically
+from wingspan.files import write_text_atomically
 
 # Fields a resumed run may change, and what changing them does.
 MAY_CHANGE = {
@@ -64,7 +65,7 @@ def describe_run(config: TrainConfig, target, sequences: list[TokenizedConversat
     inputs = {
         "target": {"name": config.target, "fingerprint": target_fingerprint(target)},
         "aux_layer_ids": list(target.aux_layer_ids),
-        "data": [{"path": path, "sha256": sha256_of(path)} for path in config.data],
+        "data": [{"path": path, "sha256": source_sha256(path)} for path in config.data],
         "sequences": {"count": len(sequences), "sha256": sequences_sha256(sequences)},
         "vocab": {"draft_vocab_size": int(d2t.numel()), "sha256": vocab_sha256(d2t, t2d)},
     }
