@@ -356,6 +356,7 @@ def test_dataset_sources_read_as_their_jsonl(offline_datasets, tmp_path):
         assert summary(conversations) == expected, source
         assert report.summary() == f"kept all {len(rows)}"
     assert conversations[1].source == f"hub:{repository}:train[row 1]"
+    assert summary(read_conversations(f"hub:{repository}", limit=2)[0]) == expected[:2]
     assert summary(read_conversations(f"hub:{repository}:test")[0]) == expected[:1]
     assert summary(read_conversations(f"{tmp_path / 'dict'}?split=test")[0]) == expected[:1]
     with pytest.raises(DataError, match=r"a dataset of splits \['train', 'test'\]; choose one with .*\?split=NAME"):

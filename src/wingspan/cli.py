@@ -179,10 +179,9 @@ def data_regenerate(
     conversations were dropped or cut short, and why."""
     from wingspan.data.conversations import read_conversations
 
-    conversations, report = read_conversations(source)
+    conversations, report = read_conversations(source, limit=limit)
     if report.skipped:
         typer.echo(report.summary())
-    conversations = conversations[:limit]
     if server:
         from wingspan.data.server import ChatServer, regenerate_via_server
 

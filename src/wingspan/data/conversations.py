@@ -123,7 +123,7 @@ class _Malformed:
 
 
 def read_conversations(
-    path: str | Path, strict: bool = False, require_assistant: bool = False
+    path: str | Path, strict: bool = False, require_assistant: bool = False, limit: int | None = None
 ) -> tuple[list[Conversation], SkipReport]:
     """Read every conversation in `path` (a file or a dataset source: the module docstring), normalised so
     that any chat template accepts it.
@@ -142,12 +142,15 @@ def read_conversations(
     when `strict`, because the records are well formed. EAGLE prompt sets keep their user turns as they are:
     each turn is asked after the model answered the previous one.
 
-    A missing or empty source, or one with no usable conversation, is always a DataError.
+    A missing or empty source, or one with no usable conversation, is always a DataError. With `limit`, reading
+    stops at that many conversations (a streamed hub dataset is not read further).
     """
     report = SkipReport()
     conversations: list[Conversation] = []
     stem = _stem(str(path))
     for number, (source, record) in enumerate(_records(str(path))):
+        if limit is not None and len(conversations) >= limit:
+            break
         report.total += 1
         try:
             parsed = _parse_record(record, source, default_id=f"{stem}-{number}")
@@ -167,7 +170,7 @@ def read_conversations(
         raise DataError(f"{path}: empty file (no records)")
     if not conversations:
         raise DataError(f"{path}: no usable conversation; {report.summary()}")
-    return conversations, report
+    return conversations[:limit], report
 
 
 DATASET_FILE_TYPES = {".parquet": "parquet", ".arrow": "arrow"}  # suffix -> `datasets` builder
