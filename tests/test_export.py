@@ -76,6 +76,24 @@ def test_vllm_layout_and_fields(tmp_path):
     assert "layers.0.hidden_norm.weight" in names and "layers.1.hidden_norm.weight" not in names
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_parallel_draft_exports_its_mask_for_vllm_only(tmp_path, layers):
+    draft = tiny_draft(layers, draft_mode="parallel", mask_token_id=96)
+    out = export(draft, tmp_path / "vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config["mask_token_id"] == 96 and "mask_token_id" not in config["eagle_config"]
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (3 * 32,)  # vLLM: [3 * target hidden], before fc
+    loaded = read_export(out, draft.embed_tokens.weight)
+    assert loaded.config == draft.config
+    # the mask slots' logits (draft_logits of a parallel draft) are the draft's
+    torch.testing.assert_close(draft_logits(loaded, seed=1), draft_logits(draft, seed=1), rtol=0, atol=0)
+    assert not torch.equal(draft_logits(loaded, seed=1), draft_logits(tiny_draft(layers), seed=1))
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(ExportError, match=f"a parallel draft .* has no {fmt} layout here"):
+            export(draft, tmp_path / fmt, fmt)
+
+
 def test_speculators_layout_and_fields(tmp_path):
     draft = tiny_draft(2)
     settings = ExportSettings(dtype="float32", speculative_tokens=5)

@@ -49,12 +49,21 @@ def predictable_target(tiny_llama_dir) -> TargetModel:
 
 
 def make_draft(
-    target: TargetModel, layers: int, seed: int, draft_vocab: int = 2000, favour: float | None = None
+    target: TargetModel,
+    layers: int,
+    seed: int,
+    draft_vocab: int = 2000,
+    favour: float | None = None,
+    parallel: bool = False,
 ) -> Eagle3Draft:
     """A random draft over a real draft vocab (sorted target ids, FAVOURED first); `favour` scales the
     lm_head row of FAVOURED so that the draft proposes it often; favour=0 zeroes the whole lm_head, so
-    every proposal is draft id 0 = FAVOURED (argmax of a tie is the first index)."""
-    config = tiny_draft_config(vocab_size=target.vocab_size, draft_vocab_size=draft_vocab, num_hidden_layers=layers)
+    every proposal is draft id 0 = FAVOURED (argmax of a tie is the first index). `parallel`: a parallel
+    draft (mask token: the target's last id)."""
+    mode = {"draft_mode": "parallel", "mask_token_id": target.vocab_size - 1} if parallel else {}
+    config = tiny_draft_config(
+        vocab_size=target.vocab_size, draft_vocab_size=draft_vocab, num_hidden_layers=layers, **mode
+    )
     generator = torch.Generator().manual_seed(seed)
     others = torch.randperm(target.vocab_size, generator=generator)
     others = others[others != FAVOURED][: draft_vocab - 1].sort().values
@@ -138,19 +147,35 @@ def replayed_acceptance(target, draft, prompt, output, k):
     return replay_rounds(hits, len(prompt), len(output), len(output), k)[0]
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_draft_proposals_follow_the_ttt_semantics(predictable_target, layers):
-    """A random draft biased towards FAVOURED: whether it is accepted depends on its hidden states."""
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_parallel_draft_gives_the_greedy_tokens(target, layers):
+    draft = make_draft(target, layers, seed=layers, parallel=True)
+    for prompt in PROMPTS[:3]:
+        expected = reference(target, prompt, 12, [])
+        for k in (1, 3, 5):
+            result = speculative_generate(target, draft, prompt, 12, num_draft_tokens=k, stop_ids=[])
+            assert result.tokens == expected, (prompt, k)
+            assert result.target_forwards == 1 + len(result.accepted_per_round)
+    with pytest.raises(ValueError, match="a parallel draft drafts a chain"):
+        speculative_generate(target, draft, PROMPTS[0], 4, tree=TreeShape(2, 2, 3))
+
+
+@pytest.mark.parametrize("layers, parallel, seed", [(1, False, 11), (2, False, 12), (1, True, 24), (2, True, 20)])
+def test_draft_proposals_follow_the_ttt_semantics(predictable_target, layers, parallel, seed):
+    """A random draft biased towards FAVOURED: whether it is accepted depends on its hidden states (a parallel
+    draft's: on its mask slots'), and the unroll of training predicts every round's accepted count. The
+    parallel drafts' seeds are ones whose mask slots get accepted at all."""
     target = predictable_target
-    draft = make_draft(target, layers, seed=10 + layers, favour=15.0)
-    accepted = 0
+    draft = make_draft(target, layers, seed=seed, favour=15.0, parallel=parallel)
+    accepted = beyond_first = 0
     for prompt in PROMPTS:
         for k in (2, 4):
             result = speculative_generate(target, draft, prompt, 24, num_draft_tokens=k, stop_ids=[])
             assert result.tokens == reference(target, prompt, 24, [])
             assert result.accepted_per_round == replayed_acceptance(target, draft, prompt, result.tokens, k)
             accepted += sum(result.accepted_per_round)
-    assert accepted > 0
+            beyond_first += sum(a >= 2 for a in result.accepted_per_round)
+    assert accepted > 0 and (beyond_first > 0 or not parallel)  # a parallel draft: mask slots accepted too
 
 
 def test_fully_accepted_rounds(tiny_llama_dir):

@@ -92,13 +92,43 @@ def test_overfitting_a_few_sequences_reaches_high_accuracy(tiny_target, tmp_path
     assert metrics[-1]["acc_1"] > 0.9
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_path, pack):
+def test_a_parallel_draft_learns_its_mask_slots(tiny_target, tmp_path):
+    d2t, t2d = identity_vocab()
+    cfg = config(
+        tmp_path, max_steps=150, lr=1e-2, log_every=10, save_every=1000, num_hidden_layers=1, ttt_steps=7,
+        draft_mode="parallel", num_parallel_tokens=3,
+    )  # fmt: skip
+    draft_dir = train(cfg, tiny_target, sequences(2, 24), d2t, t2d)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [key for key in metrics[-1] if key.startswith("acc_")] == ["acc_0", "acc_1", "acc_2"]
+    assert metrics[-1]["acc_0"] > 0.98
+    assert metrics[-1]["acc_1"] > 0.9 and metrics[-1]["acc_2"] > 0.8  # the mask slots, two and three ahead
+    assert metrics[0]["acc_1"] < 0.2
+    saved = json.loads((draft_dir / "draft_config.json").read_text())
+    assert (saved["draft_mode"], saved["mask_token_id"]) == ("parallel", VOCAB - 1)  # the default: the last id
+    assert "mask_hidden" in load_file(str(draft_dir / "model.safetensors"))
+
+
+def test_parallel_settings_are_checked():
+    with pytest.raises(ConfigError, match="ttt_steps: chain drafts only"):
+        TrainConfig(draft_mode="parallel", ttt_steps=3)
+    with pytest.raises(ConfigError, match="mask_token_id: for parallel drafts only"):
+        TrainConfig(mask_token_id=5)
+    with pytest.raises(ConfigError, match="num_parallel_tokens: must be >= 2"):
+        TrainConfig(draft_mode="parallel", num_parallel_tokens=1)
+    assert TrainConfig(draft_mode="parallel", num_parallel_tokens=5).unroll_steps == 5
+
+
+@pytest.mark.parametrize("pack, mode", [(True, "chain"), (False, "chain"), (True, "parallel")])
+def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_path, pack, mode):
     d2t, t2d = identity_vocab()
     data = sequences(16, 11)  # 11, 10 and 9 tokens: packed, three conversations share a 32-token row
-    full = train(config(tmp_path / "a", grad_accum=2, pack=pack), tiny_target, data, d2t, t2d)
+    fields = dict(grad_accum=2, pack=pack)
+    if mode == "parallel":
+        fields |= dict(draft_mode="parallel", num_parallel_tokens=3, ttt_steps=7, mask_token_id=5)
+    full = train(config(tmp_path / "a", **fields), tiny_target, data, d2t, t2d)
     interrupted_copy(tmp_path / "a" / "run", tmp_path / "b" / "run", at=8)
-    resumed = train(config(tmp_path / "b", grad_accum=2, pack=pack), tiny_target, data, d2t, t2d, resume=True)
+    resumed = train(config(tmp_path / "b", **fields), tiny_target, data, d2t, t2d, resume=True)
     a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys()
     for key in a:

@@ -65,6 +65,53 @@ def test_training_logits_equal_inference_logits(layers, injection):
             torch.testing.assert_close(trained[j][:, origin], inferred[j], rtol=1e-9, atol=1e-9)
 
 
+def parallel_logits(
+    draft: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, origin: int, tokens: int
+) -> list[torch.Tensor]:
+    """Inference of a parallel draft (vLLM's parallel drafting): prefill positions 0..origin from target
+    features, then one forward of tokens - 1 mask slots at origin + 1.., causal among themselves."""
+    caches = new_kv_caches(draft)
+    positions = torch.arange(origin + 1)[None]
+    hidden = draft(draft.project_aux(aux[:, : origin + 1]), ids[:, 1 : origin + 2], positions, caches)[:, -1:]
+    slot_hidden, slot_ids = draft.mask_slots(1, tokens - 1)
+    slots = draft(slot_hidden, slot_ids, torch.arange(origin + 1, origin + tokens)[None], caches)
+    return [draft.logits(h) for h in torch.cat([hidden, slots], dim=1).unbind(1)]
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_parallel_training_logits_equal_inference_logits(layers):
+    torch.manual_seed(layers)
+    draft = Eagle3Draft(tiny_config(layers, draft_mode="parallel", mask_token_id=96)).double()
+    length, tokens = 12, 4
+    ids = torch.randint(0, 96, (1, length))
+    aux = torch.randn(1, length, 72, dtype=torch.double)
+    trained = [draft.logits(hidden).detach() for hidden in unroll(draft, aux, ids, arange_positions(ids), tokens)]
+    for origin in range(length - tokens - 1):
+        inferred = parallel_logits(draft, aux, ids, origin, tokens)
+        for j in range(tokens):
+            torch.testing.assert_close(trained[j][:, origin], inferred[j], rtol=1e-9, atol=1e-9)
+    # The slots read the mask, not the tokens after the origin nor the draft's own outputs: a chain's step
+    # would differ.
+    chain = Eagle3Draft(tiny_config(layers)).double()
+    chain.load_state_dict({k: v for k, v in draft.state_dict().items() if k != "mask_hidden"})
+    chained = [chain.logits(h).detach() for h in unroll(chain, aux, ids, arange_positions(ids), tokens)]
+    torch.testing.assert_close(chained[0], trained[0])
+    assert not torch.allclose(chained[1], trained[1])
+
+
+def test_parallel_unroll_trains_the_mask_hidden_state():
+    torch.manual_seed(0)
+    draft = Eagle3Draft(tiny_config(2, draft_mode="parallel", mask_token_id=5, draft_vocab_size=SMALL_VOCAB)).double()
+    data = conversations(torch.Generator().manual_seed(0))
+    result = ttt_forward(draft, ttt_batch(data, ROWS), 3, [1.0, 0.8, 0.64])
+    result.loss.backward()
+    assert draft.mask_hidden.grad is not None and draft.mask_hidden.grad.abs().sum() > 0
+    # Only the slots read it: a one-step unroll (step 0 alone) leaves it untouched.
+    draft.zero_grad()
+    ttt_forward(draft, ttt_batch(data, ROWS), 1, [1.0]).loss.backward()
+    assert draft.mask_hidden.grad is None or not draft.mask_hidden.grad.any()
+
+
 def test_batched_unroll_matches_single_sequences():
     torch.manual_seed(0)
     draft = Eagle3Draft(tiny_config(2)).double()
@@ -124,15 +171,18 @@ def ttt_batch(data, rows: list[list[int]]) -> TTTBatch:
     return TTTBatch(micro.input_ids, micro.loss_mask, micro.positions, aux, logits, logits.max(dim=-1).indices)
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-@pytest.mark.parametrize("injection", ["first", "all"])
-def test_packed_rows_score_like_their_conversations_alone(layers, injection):
+@pytest.mark.parametrize(
+    "layers, injection, mode",
+    [(1, "first", "chain"), (1, "all", "chain"), (2, "first", "chain"), (2, "all", "chain"), (2, "first", "parallel")],
+)
+def test_packed_rows_score_like_their_conversations_alone(layers, injection, mode):
     """Loss sums, hits, counts and gradients of packed rows equal the sums over the same conversations,
     each its own unpadded sequence. The draft runs in fp64; ttt_forward sums the loss in fp32 whatever the
     input, so loss sums agree to fp32 rounding (2e-7 relative measured, 1e-6 asserted), gradients to fp64
     rounding (6e-16 of the largest measured, 1e-10 asserted)."""
     torch.manual_seed(layers)
-    draft = Eagle3Draft(tiny_config(layers, injection, draft_vocab_size=SMALL_VOCAB)).double()
+    parallel = {"draft_mode": "parallel", "mask_token_id": 3} if mode == "parallel" else {}
+    draft = Eagle3Draft(tiny_config(layers, injection, draft_vocab_size=SMALL_VOCAB, **parallel)).double()
     data = conversations(torch.Generator().manual_seed(layers))
     steps, weights = 4, [0.8**j for j in range(4)]
     ones = torch.ones(steps, dtype=torch.double)  # one normaliser for all, so that the losses add up

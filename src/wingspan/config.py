@@ -231,6 +231,11 @@ class DraftConfig:
     max_position_embeddings: int = 8192
     hidden_act: Literal["silu"] = "silu"
     target: TargetIdentity | None = None  # None: a draft imported without knowing its target
+    # chain: each draft token reads the previous one's output; parallel (P-EAGLE): the tokens after the first
+    # are drafted in the same forward by mask slots that read `mask_token_id`'s embedding and the learned
+    # `mask_hidden` features (docs/formats.md#parallel-drafting)
+    draft_mode: Literal["chain", "parallel"] = "chain"
+    mask_token_id: int | None = None  # parallel drafts: the target-vocab id mask slots read
 
     def __post_init__(self) -> None:
         for name in (
@@ -258,6 +263,13 @@ class DraftConfig:
                 f"rope_scaling: rope_type {self.rope_scaling.get('rope_type')!r} is not supported for drafts; "
                 f"supported: {', '.join(SCALED_ROPE_TYPES)} (a length-dependent RoPE would change with the context)"
             )
+        if (self.draft_mode == "parallel") != (self.mask_token_id is not None):
+            raise ConfigError("mask_token_id: a parallel draft needs one, and only a parallel draft has one")
+        if self.mask_token_id is not None:
+            require_range("mask_token_id", self.mask_token_id, at_least=0, below=self.vocab_size)
+
+
+TTT_STEPS_DEFAULT = 7
 
 
 @dataclass
@@ -297,8 +309,14 @@ class TrainConfig:
     pack: bool = True
     shuffle: bool = True
     # TTT
-    ttt_steps: int = 7
+    ttt_steps: int = TTT_STEPS_DEFAULT
     step_decay: float = 0.8
+    # parallel (P-EAGLE): after the first draft token, num_parallel_tokens - 1 mask slots draft the rest in the
+    # same forward; the unroll then trains those num_parallel_tokens predictions (weights step_decay^j)
+    # instead of ttt_steps chain steps. mask_token_id: the id mask slots read (default: the target's last id)
+    draft_mode: Literal["chain", "parallel"] = "chain"
+    num_parallel_tokens: int = 4
+    mask_token_id: int | None = None
     # the loss's weight where the context ends in a bigram seen earlier in the conversation (where prompt lookup
     # would propose: teach the draft to copy); 1 weighs every position alike
     repeat_weight: float = 1.0
@@ -343,8 +361,17 @@ class TrainConfig:
             raise ConfigError(f"batch_tokens ({self.batch_tokens}) must be >= max_length ({self.max_length})")
         if self.aux_layer_ids is not None and (not self.aux_layer_ids or min(self.aux_layer_ids) < 0):
             raise ConfigError(f"aux_layer_ids: expected target layer numbers >= 0, got {self.aux_layer_ids}")
+        if self.draft_mode == "chain" and self.mask_token_id is not None:
+            raise ConfigError("mask_token_id: for parallel drafts only (draft_mode: parallel)")
+        if self.draft_mode == "parallel" and self.ttt_steps != TTT_STEPS_DEFAULT:
+            raise ConfigError("ttt_steps: chain drafts only; a parallel draft trains num_parallel_tokens predictions")
         if self.init_from and self.vocab:
             raise ConfigError("init_from and vocab: a draft to start from brings its own vocab; set one of them")
+
+    @property
+    def unroll_steps(self) -> int:
+        """The predictions trained per origin: chain TTT steps, or a parallel draft's tokens per round."""
+        return self.num_parallel_tokens if self.draft_mode == "parallel" else self.ttt_steps
 
 
 # The numeric fields of TrainConfig and their allowed ranges (require_range's keywords).
@@ -354,6 +381,8 @@ TRAIN_RANGES: dict[str, dict[str, float]] = {
     "max_length": {"at_least": 2},
     "batch_tokens": {"at_least": 2},
     "ttt_steps": {"at_least": 1},
+    "num_parallel_tokens": {"at_least": 2},
+    "mask_token_id": {"at_least": 0},
     "step_decay": {"above": 0, "at_most": 1},
     "lr": {"above": 0},
     "min_lr_ratio": {"at_least": 0, "at_most": 1},

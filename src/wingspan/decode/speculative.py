@@ -1,4 +1,5 @@
-"""Speculative decoding at batch size 1 (gpt-fast style): chain or EAGLE-2 tree drafts, greedy or sampled.
+"""Speculative decoding at batch size 1 (gpt-fast style): chain, EAGLE-2 tree or parallel (P-EAGLE) drafts,
+greedy or sampled.
 
 One round, with `origin` the position of the last token whose target aux features the draft has seen:
   1. the draft proposes a tree (a chain is a tree with one child per node): step 0 at `origin` reads the
@@ -8,6 +9,8 @@ One round, with `origin` the position of the last token whose target aux feature
   2. one target forward over [last token, tree nodes] with a tree attention mask verifies every node:
      greedily (follow the child equal to the target's argmax) or by rejection sampling; the target's own
      next token is always added (the "bonus" token);
+     A parallel draft's chain comes from one forward instead: the first token from step 0, the others from
+     mask slots at origin + 1.. (`_draft_parallel`);
   3. the target cache keeps the accepted path only; the draft caches are cropped to the step-0 keys
      (positions <= origin), then the draft reads the target's aux features of the newly verified positions p
      (with token p + 1) as step-0 inputs, which moves `origin` to the new last verified position.
@@ -178,6 +181,35 @@ def _draft_tree(
     return kept
 
 
+def _draft_parallel(
+    draft: Eagle3Draft,
+    root_hidden: torch.Tensor,
+    origin: int,
+    caches: list[KVCache],
+    depth: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    clock: Clock,
+) -> DraftTree:
+    """A parallel draft's chain of `depth` tokens from one forward: the first from the step-0 hidden state at
+    `origin` ([1, 1, H]), the others from mask slots at positions origin + 1.. (causal among themselves, after
+    the verified prefix), exactly as vLLM's parallel drafting and `wingspan.train.ttt` compute them."""
+    hidden = root_hidden[0]
+    with clock("draft"):
+        if depth > 1:
+            slot_hidden, slot_ids = draft.mask_slots(1, depth - 1)
+            positions = torch.arange(origin + 1, origin + depth, device=hidden.device)[None]
+            hidden = torch.cat([hidden, draft(slot_hidden, slot_ids, positions, caches)[0]])
+        logits = draft.logits(hidden)
+    tokens, _, proposals = choose_children(draft, logits, 1, temperature, generator)
+    return DraftTree(
+        tokens=tokens[:, 0].tolist(),
+        parents=list(range(-1, depth - 1)),
+        depths=list(range(1, depth + 1)),
+        proposals=[None] * depth if proposals is None else list(proposals),
+    )
+
+
 @torch.no_grad()
 def speculative_generate(
     target: TargetModel,
@@ -206,6 +238,9 @@ def speculative_generate(
     if not prompt_ids:
         raise ValueError("prompt_ids: at least one token is needed")
     check_compatible(target, draft)
+    parallel = draft.config.draft_mode == "parallel"
+    if parallel and tree is not None:
+        raise ValueError("tree: a parallel draft drafts a chain (its mask slots), not a tree")
     shape = tree or TreeShape(num_draft_tokens, 1, num_draft_tokens)
     stops = set(target.eos_token_ids if stop_ids is None else stop_ids)
     if max_new_tokens <= 0:
@@ -240,9 +275,12 @@ def speculative_generate(
                 projected = draft.project_aux(pending_aux[None].to(device, dtype))
                 root_hidden = draft(projected, ids, positions, draft_caches)[:, -1:]
             origin = first_unread + count - 1
-            drafts = _draft_tree(
-                draft, root_hidden, origin, draft_caches, shape.shortened(depth), sample_drafts, generator, clock
-            )
+            if parallel:
+                drafts = _draft_parallel(draft, root_hidden, origin, draft_caches, depth, temperature, generator, clock)
+            else:
+                drafts = _draft_tree(
+                    draft, root_hidden, origin, draft_caches, shape.shortened(depth), sample_drafts, generator, clock
+                )
             for cache in draft_caches:  # keep the step-0 keys only (positions 0..origin)
                 cache.crop(origin + 1)
 

@@ -327,6 +327,8 @@ def decoders(target: TargetModel, draft: Eagle3Draft | None, settings: EvalSetti
     no draft, prompt lookup's chains. At temperature > 0 the plain baseline samples too, so that the speedup
     compares like with like."""
     k, tree, temperature = settings.num_draft_tokens, settings.tree, settings.temperature
+    if draft is not None and draft.config.draft_mode == "parallel" and (tree is not None or settings.batch_size > 1):
+        raise ConfigError("a parallel draft drafts a chain from one forward, one prompt at a time: no tree, batch 1")
     if settings.batch_size == 1:
 
         def speculative(prompts, max_new_tokens, generator):

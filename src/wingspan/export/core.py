@@ -87,6 +87,14 @@ def check_served(draft: Eagle3Draft, engine: str, engine_name: str) -> None:
         )
 
 
+def refuse_parallel(draft: Eagle3Draft, fmt: str) -> None:
+    if draft.config.draft_mode == "parallel":
+        raise ExportError(
+            f"a parallel draft (mask_token_id, mask_hidden) has no {fmt} layout here; export it with --format vllm "
+            'and serve it with "parallel_drafting": true'
+        )
+
+
 def refuse_variants(data: dict, where: str) -> None:
     for flag in UNSUPPORTED_FLAGS:
         if data.get(flag) or (data.get("eagle_config") or {}).get(flag):
@@ -260,7 +268,8 @@ def read_with(fmt: Format, directory: Path, embed_weight: torch.Tensor) -> Eagle
 
 @torch.no_grad()
 def draft_logits(draft: Eagle3Draft, seed: int = 0, length: int = 8, steps: int = 3) -> torch.Tensor:
-    """Logits of a prefill over random target features and tokens, then `steps - 1` chained draft steps."""
+    """Logits of a prefill over random target features and tokens, then `steps - 1` chained draft steps (a
+    parallel draft: its `steps - 1` mask slots)."""
     config = draft.config
     generator = torch.Generator().manual_seed(seed)
     aux = torch.randn(1, length, len(config.aux_layer_ids) * config.target_hidden_size, generator=generator)
@@ -268,6 +277,10 @@ def draft_logits(draft: Eagle3Draft, seed: int = 0, length: int = 8, steps: int 
     caches = new_kv_caches(draft)
     hidden = draft(draft.project_aux(aux), ids[:, :length], torch.arange(length)[None], caches)
     out = [draft.logits(hidden)]
+    if config.draft_mode == "parallel":  # the mask slots of a round from the last position
+        slot_hidden, slot_ids = draft.mask_slots(1, steps - 1)
+        positions = torch.arange(length, length + steps - 1)[None]
+        return torch.cat(out + [draft.logits(draft(slot_hidden, slot_ids, positions, caches))], dim=1)
     hidden = hidden[:, -1:]
     for j in range(1, steps):
         position = torch.tensor([[length - 1 + j]])

@@ -24,7 +24,7 @@ from wingspan.config import DraftConfig
 from wingspan.dtypes import torch_dtype
 from wingspan.errors import ExportError
 from wingspan.export import vllm
-from wingspan.export.core import ExportSettings, Format, check_served, our_tensors, save_export
+from wingspan.export.core import ExportSettings, Format, check_served, our_tensors, refuse_parallel, save_export
 from wingspan.models.draft import Eagle3Draft
 
 LATER_LAYER_NORM = re.compile(r"^layers\.([1-9]\d*)\.input_layernorm\.weight$")
@@ -33,6 +33,7 @@ SGLANG_LATER_NORM = re.compile(r"^layers\.([1-9]\d*)\.(hidden_norm|input_layerno
 
 def check(draft: Eagle3Draft) -> None:
     check_served(draft, "sglang", "SGLang 0.5")
+    refuse_parallel(draft, "sglang")
     if 0 in draft.config.aux_layer_ids:
         raise ExportError(
             f"aux_layer_ids {draft.config.aux_layer_ids}: id 0 is the target's embedding output, which SGLang "

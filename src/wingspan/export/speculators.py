@@ -26,6 +26,7 @@ from wingspan.export.core import (
     draft_config_from_llama,
     llama_fields,
     our_tensors,
+    refuse_parallel,
     refuse_variants,
     save_export,
 )
@@ -36,6 +37,7 @@ VERSION = "0.9.0"  # the speculators release whose classes the tests load export
 
 def check(draft: Eagle3Draft) -> None:
     check_served(draft, "vllm", "vLLM 0.32 (which serves speculators drafts)")
+    refuse_parallel(draft, "speculators")
 
 
 def verifier(config: DraftConfig, settings: ExportSettings) -> dict:

@@ -15,6 +15,9 @@ What vLLM 0.32's `llama_eagle3.py` does with the files, and why the export looks
 - The target must implement vLLM's SupportsEagle3 (hand aux hidden states to the draft); Gemma3 does not.
 - Aux id k is the input of target layer k (our convention); `norm_before_residual` is written false, which
   is what we compute (vLLM reads it from a speculators config only, where absent means true).
+- A parallel draft carries `mask_token_id` at the top level of config.json (vLLM looks there, not in
+  eagle_config) and the `mask_hidden` tensor [3 * target hidden] (any name containing it loads); vLLM runs it
+  with `"parallel_drafting": true` in the speculative config, which nothing in the files turns on.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def config_json(config: DraftConfig, dtype: str) -> dict:
         "norm_before_residual": False,
         "torch_dtype": dtype,
         **identity_fields(config),
+        **({"mask_token_id": config.mask_token_id} if config.draft_mode == "parallel" else {}),
     }
 
 
@@ -87,6 +91,8 @@ def read_config(data: dict, where: str) -> DraftConfig:
         "target": identity_from(data, where),
     }
     extra |= {k: data[k] for k in ("draft_vocab_size", "target_hidden_size") if data.get(k) is not None}
+    if data.get("mask_token_id") is not None:
+        extra |= {"draft_mode": "parallel", "mask_token_id": data["mask_token_id"]}
     return draft_config_from_llama(data, extra, where)
 
 

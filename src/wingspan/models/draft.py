@@ -146,8 +146,13 @@ class Eagle3Draft(nn.Module):
         # d2t: target id = draft id + d2t[draft id]; t2d: which target ids the draft vocab holds.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        if config.draft_mode == "parallel":
+            # what a mask slot reads in place of the target's aux features (through fc, as vLLM does)
+            self.mask_hidden = nn.Parameter(torch.empty(num_aux * config.target_hidden_size))
         self.inverse_frequencies, self.rope_scale = rope_frequencies(config)
         self.apply(self._init_weights)
+        if config.draft_mode == "parallel":
+            nn.init.normal_(self.mask_hidden, std=0.02)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -192,6 +197,12 @@ class Eagle3Draft(nn.Module):
 
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden)
+
+    def mask_slots(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A parallel draft's mask-slot inputs for [batch, length] slots: (hidden [B, T, H], ids [B, T])."""
+        hidden = self.fc(self.mask_hidden.to(self.fc.weight.dtype)).expand(batch, length, -1)
+        ids = torch.full((batch, length), self.config.mask_token_id, device=hidden.device, dtype=torch.long)
+        return hidden, ids
 
     # --- persistence ------------------------------------------------------------------------------
 

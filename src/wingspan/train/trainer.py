@@ -80,6 +80,14 @@ def draft_config_for(target, config: TrainConfig, vocab_size: int, draft_vocab_s
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=hf.max_position_embeddings,
+        draft_mode=config.draft_mode,
+        mask_token_id=(
+            None
+            if config.draft_mode == "chain"
+            else vocab_size - 1
+            if config.mask_token_id is None
+            else config.mask_token_id
+        ),
         target=TargetIdentity(
             name_or_path=target.name,
             model_type=hf.model_type,
@@ -224,9 +232,9 @@ def prepare_draft(
         draft.load_trainable_state(checkpoint.weights, source=str(checkpoint.path))
     elif config.init_from:
         start_from(draft, config.init_from)
-    step_weights = [config.step_decay**j for j in range(config.ttt_steps)]
+    step_weights = [config.step_decay**j for j in range(config.unroll_steps)]
     model = parallelize(
-        TTTLoss(draft, config.ttt_steps, step_weights, config.repeat_weight), draft, config.parallel, world, device
+        TTTLoss(draft, config.unroll_steps, step_weights, config.repeat_weight), draft, config.parallel, world, device
     )
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
@@ -259,11 +267,11 @@ def train_step(
     """One optimizer step over the global batch `group` (the same micro-batches on every rank): this rank's
     share of them (`share_of_step`) forward and backward, then gradient clipping and AdamW at `lr`."""
     device = trainee.device
-    normaliser = step_normaliser(group, config.ttt_steps, config.repeat_weight).to(device)
+    normaliser = step_normaliser(group, config.unroll_steps, config.repeat_weight).to(device)
     for param_group in trainee.optimizer.param_groups:
         param_group["lr"] = lr
     loss = torch.zeros((), device=device)
-    sums = torch.zeros(3 * config.ttt_steps + 1, dtype=torch.float64, device=device)
+    sums = torch.zeros(3 * config.unroll_steps + 1, dtype=torch.float64, device=device)
     share = share_of_step(group, world)
     for k, (micro, scale) in enumerate(share):
         batch = to_device(features(micro), device)
@@ -450,7 +458,7 @@ def train(
         )
 
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    log = MetricLog(run_dir, config.tensorboard, config.ttt_steps, world, trainee.device)
+    log = MetricLog(run_dir, config.tensorboard, config.unroll_steps, world, trainee.device)
     guard = FiniteGuard(config, sequences)
     last_checkpoint = step
     plan = plan_epoch(lengths, config, epoch, config.shuffle)

@@ -5,6 +5,10 @@ Step j reads the draft's own step j-1 output at i and x_{i+j+1}, at RoPE positio
 p_{i+j+1}. In every layer's cache a step-j query at i sees the step-0 keys at positions <= i and the keys
 of steps 1..j at i itself: what a chain draft has in its KV cache after j steps from origin i.
 
+A parallel draft (P-EAGLE) unrolls the same way, except that step j >= 1 reads the mask slot's inputs
+(fc(mask_hidden), the mask token) instead of the previous step's output and x_{i+j+1}: vLLM's mask slot j
+of a round from origin i, which sees the context up to i and the slots before it, and predicts p_{i+j+1}.
+
 A row may hold several conversations back to back (packing, `wingspan.data.batching`): positions then
 restart at 0 at each one, attention stops at its start, and a step counts only when the token it predicts
 lies in the same conversation, so each conversation computes exactly what it computes alone.
@@ -167,9 +171,14 @@ def unroll(
     mask = sink_mask(positions, steps - 1) if is_packed(positions) else None
     caches = [TTTCache(mask) for _ in draft.layers]
     hidden = draft.project_aux(aux_hidden.to(draft.fc.weight.dtype))
+    parallel = draft.config.draft_mode == "parallel"
     for j in range(steps):
-        hidden = draft(hidden, shift_left(input_ids, j + 1), positions + j, caches)
-        yield hidden
+        if parallel and j > 0:
+            slot_hidden, slot_ids = draft.mask_slots(*input_ids.shape)
+            yield draft(slot_hidden, slot_ids, positions + j, caches)
+        else:
+            hidden = draft(hidden, shift_left(input_ids, j + 1), positions + j, caches)
+            yield hidden
 
 
 def ttt_forward(
