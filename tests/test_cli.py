@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import write_counting_conversations
 from safetensors.torch import load_file
 
@@ -83,11 +84,35 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
 
-    exported = wingspan("export", str(run / "draft"), "--format", "vllm", "--out", str(tmp_path / "vllm"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Count from 3.\nCount from 7.\n")
+    evaluated = wingspan(
+        "eval", "--draft", str(run / "draft"), "--sets", f"counting={prompts}", "--max-new-tokens", "8",
+        "--target", str(tiny_llama_dir), "--dtype", "float32", "--warmup", "0", "--out", str(tmp_path / "eval"),
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    exported = wingspan(
+        "export", str(run / "draft"), "--format", "vllm", "--out", str(tmp_path / "vllm"),
+        "--eval", str(tmp_path / "eval" / "results.json"),
+    )  # fmt: skip
     assert exported.returncode == 0, exported.stderr[-3000:]
     vllm_config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert vllm_config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert vllm_config["num_hidden_layers"] == 2 and vllm_config["draft_vocab_size"] == 64
+    serve = f'vllm serve {tiny_llama_dir} --speculative-config \'{{"method": "eagle3", "model": "{tmp_path / "vllm"}"'
+    assert serve in exported.stdout
+    # The model card: hub front matter, the architecture, the run's data, steps and tokens, the measured
+    # figures of the eval given, and the serve command printed.
+    card = (tmp_path / "vllm" / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["library_name"] == "wingspan" and "eagle3" in front["tags"]
+    assert "base_model" not in front and "license" not in front  # a local target with no card of its own
+    tokens = sum(json.loads(line)["tokens"] for line in (run / "metrics.jsonl").read_text().splitlines())
+    assert f"- data: `{conversations}`" in card and f"- optimizer steps: 6, {tokens:,} tokens" in card
+    assert "| decoder layers | 2 (token embeddings enter layer 0) |" in card and "`ttt_steps=3`" in card
+    tau = json.loads((tmp_path / "eval" / "results.json").read_text())["sets"][0]["acceptance_length"]
+    assert f"| counting | 2 | {tau:.2f} |" in card
+    assert serve in card
 
     # an import of that export starts a new run: its vocab and aux layers are the draft's, not rebuilt
     imported = wingspan("import", str(tmp_path / "vllm"), "--out", str(tmp_path / "imported"))

@@ -299,3 +299,26 @@ def test_config_variant_we_do_not_compute_is_an_error(tmp_path, fmt, change, mes
     (out / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     with pytest.raises(ExportError, match=message):
         read_export(out, draft.embed_tokens.weight)
+
+
+def test_model_card_names_the_base_model_and_its_license(tmp_path):
+    import yaml
+
+    from wingspan.config import TargetIdentity
+
+    def front_matter(out):
+        return yaml.safe_load((out / "README.md").read_text().split("---")[1])
+
+    embedded = tiny_draft(1, target=TargetIdentity("smollm2-135m-instruct", model_type="llama"))
+    front = front_matter(export(embedded, tmp_path / "embedded"))
+    assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["license"] == "apache-2.0"
+    local = tmp_path / "my-target"
+    local.mkdir()
+    (local / "README.md").write_text("---\nlicense: mit\n---\n# a target\n")
+    front = front_matter(export(tiny_draft(1, target=TargetIdentity(str(local), model_type="llama")), tmp_path / "l"))
+    assert front["license"] == "mit" and "base_model" not in front
+    hub = export(tiny_draft(1, target=TargetIdentity("org/model", model_type="llama")), tmp_path / "hub", "sglang")
+    assert front_matter(hub)["base_model"] == "org/model"
+    card = (hub / "README.md").read_text()
+    assert "Not recorded with this export" in card  # no training run behind a draft built in memory
+    assert f"--model org/model --speculative-algorithm EAGLE3 --speculative-draft-model-path {hub}" in card

@@ -223,3 +223,11 @@ def test_training_starts_from_an_imported_draft(tiny_target, tmp_path):
     assert started == pytest.approx(ended, rel=0.1) and started < 0.8 * fresh_start  # bf16 export: not exact
     with pytest.raises(ConfigError, match="num_hidden_layers: the draft has 2, the run 1"):
         train(config(tmp_path / "d", num_hidden_layers=1, init_from=str(imported)), tiny_target, data, d2t, t2d)
+
+    # A chain draft starts a parallel run: its step 0 is kept (the first loss is where the chain ended), the
+    # mask starts fresh; a parallel draft cannot start a chain run.
+    parallel = dict(draft_mode="parallel", num_parallel_tokens=3, ttt_steps=7, max_steps=2, log_every=1)
+    run = train(config(tmp_path / "e", init_from=str(imported), **parallel), tiny_target, data, d2t, t2d)
+    assert losses(tmp_path / "e")[0] == pytest.approx(started, rel=1e-6)
+    with pytest.raises(ConfigError, match="draft_mode: the draft has parallel, the run chain"):
+        train(config(tmp_path / "f", init_from=str(run)), tiny_target, data, d2t, t2d)

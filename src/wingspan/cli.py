@@ -578,16 +578,35 @@ def export(
         str, typer.Option(help="Weights dtype: bfloat16 (bf16), float32 (fp32) or float16 (fp16).", parser=dtype_name)
     ] = "bfloat16",
     num_speculative_tokens: Annotated[
-        int, typer.Option(min=1, help="Draft tokens per step a speculators config proposes (vLLM's default there).")
+        int,
+        typer.Option(
+            min=1,
+            help="Draft tokens per step: what a speculators config proposes (vLLM's default there) and the printed "
+            "serve command uses.",
+        ),
     ] = 3,
+    eval_results: Annotated[
+        Path | None,
+        typer.Option("--eval", help="A `wingspan eval` results.json: its figures go into the model card."),
+    ] = None,
 ) -> None:
-    """Export a draft for a serving engine, verified by reading it back (docs/formats.md has each engine's serve
-    command)."""
-    from wingspan.export import ExportSettings, export_draft, format_named, load_any_draft
+    """Export a draft for a serving engine, verified by reading it back, with a model card (README.md: the draft,
+    its training run when DRAFT is a run's draft or checkpoint, --eval's figures, the serve command). Prints the
+    engine's serve command."""
+    from wingspan.export import (
+        ExportSettings,
+        export_draft,
+        format_named,
+        load_any_draft,
+        provenance_of,
+        serve_command,
+    )
 
     format_named(format)
     settings = ExportSettings(dtype=dtype, verifier=target, speculative_tokens=num_speculative_tokens)
-    typer.echo(export_draft(load_any_draft(draft), out, format, settings))
+    provenance = provenance_of(draft, eval_results)
+    written = export_draft(load_any_draft(draft), out, format, settings, provenance)
+    typer.echo(f"wrote {written}\nserve it:  {serve_command(written, settings)}")
 
 
 @app.command("import")

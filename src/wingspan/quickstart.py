@@ -46,7 +46,7 @@ CHECK = dict(prompt_set="mt_bench", limit=10, max_new_tokens=256, chain_lengths=
 def run_quickstart(out: Path, device: str = "auto") -> Path:
     from wingspan.data.synth import synthesize
     from wingspan.data.vocab import DraftVocab
-    from wingspan.export import export_draft
+    from wingspan.export import export_draft, provenance_of
     from wingspan.models.draft import Eagle3Draft
     from wingspan.models.registry import resolve_target
     from wingspan.pipeline import load_target, run_training
@@ -76,7 +76,8 @@ def run_quickstart(out: Path, device: str = "auto") -> Path:
 
     print("[4/5] export for vLLM")
     export_dir = out / "vllm-draft"
-    export_draft(Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight()), export_dir, "vllm")
+    draft = Eagle3Draft.load(draft_dir, embed_weight=target.embed_weight())
+    export_draft(draft, export_dir, "vllm", provenance=provenance_of(draft_dir))
 
     print(f"[5/5] measuring the export against plain decoding on {CHECK['limit']} {CHECK['prompt_set']} first turns")
     measured = measure_draft(target, export_dir, out / "eval", config.target_dtype, **CHECK)

@@ -7,6 +7,7 @@ Standalone (vllm + stdlib only): it runs inside the vllm venv, where wingspan is
 
 Prompts: EAGLE question JSONL ({"question_id", "turns": [...]}, the first turn is used) or plain text,
 one prompt per line; either way each prompt is one user turn rendered with the target's chat template.
+A parallel draft (its config.json has `mask_token_id`) is served with `"parallel_drafting": true`.
 Decoding is greedy. The run with the draft and the baseline without it each get their own process (and
 LLM instance), so neither's metrics or memory leak into the other. Reported: acceptance length
 1 + accepted / drafts from vLLM's counters, acceptance rate per draft position, output tokens/s of both
@@ -75,6 +76,8 @@ def serve(args: argparse.Namespace, with_draft: bool) -> dict:
     speculative_config = None
     if with_draft:
         speculative_config = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_spec_tokens}
+        if "mask_token_id" in json.loads((Path(args.draft) / "config.json").read_text()):
+            speculative_config["parallel_drafting"] = True  # a parallel draft (docs/formats.md)
     start = time.perf_counter()
     llm = LLM(
         model=args.target,

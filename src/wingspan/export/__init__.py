@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from wingspan.config import DraftConfig
 from wingspan.errors import ExportError
 from wingspan.export import sglang, speculators, vllm
+from wingspan.export.card import Provenance, provenance_of  # noqa: F401 (the package's API)
 from wingspan.export.core import CONFIG, ExportSettings, Format, read_config_json, read_with, tensor_names, write_export
 from wingspan.models.draft import CONFIG as DRAFT_CONFIG
 from wingspan.models.draft import WEIGHTS, Eagle3Draft
@@ -37,12 +38,25 @@ def detect_format(directory: str | Path) -> Format | None:
     return next((f for f in DETECTION_ORDER if f.recognises(data, names)), None)
 
 
-def export_draft(draft: Eagle3Draft, out_dir: str | Path, fmt: str = "vllm", settings: ExportSettings | None = None):
-    """Write `draft` to `out_dir` in format `fmt`; an existing `out_dir` is replaced only if it holds an earlier
-    export (of any format) or nothing."""
+def export_draft(
+    draft: Eagle3Draft,
+    out_dir: str | Path,
+    fmt: str = "vllm",
+    settings: ExportSettings | None = None,
+    provenance: Provenance | None = None,
+) -> Path:
+    """Write `draft` to `out_dir` in format `fmt`, with a model card (README.md) saying what `provenance` knows;
+    an existing `out_dir` is replaced only if it holds an earlier export (of any format) or nothing."""
     out_dir = Path(out_dir)
     replaceable = not out_dir.exists() or detect_format(out_dir) is not None
-    return write_export(format_named(fmt), draft, out_dir, settings or ExportSettings(), replaceable)
+    return write_export(format_named(fmt), draft, out_dir, settings or ExportSettings(), replaceable, provenance)
+
+
+def serve_command(out_dir: str | Path, settings: ExportSettings | None = None) -> str:
+    """The engine's command that serves the export in `out_dir`."""
+    out_dir = Path(out_dir)
+    fmt = detect_format(out_dir) or no_export(out_dir)
+    return fmt.serve(export_config(out_dir), out_dir.resolve(), settings or ExportSettings())
 
 
 def export_config(directory: str | Path) -> DraftConfig:

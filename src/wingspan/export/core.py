@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from wingspan.config import DraftConfig, TargetIdentity, from_dict, to_dict
 from wingspan.dtypes import DtypeName, torch_dtype
 from wingspan.errors import ConfigError, ExportError
+from wingspan.export.card import CARD, Provenance, model_card
 from wingspan.files import atomic_directory
 from wingspan.models.draft import WEIGHTS, Eagle3Draft, new_kv_caches
 from wingspan.models.families import FAMILIES
@@ -53,6 +54,16 @@ class Format:
     recognises: Callable[[dict, set[str]], bool]
     read_config: Callable[[dict, str], DraftConfig]
     read_tensors: Callable[[dict[str, torch.Tensor], DraftConfig, str], dict[str, torch.Tensor]]
+    serve: Callable[[DraftConfig, Path, ExportSettings], str]  # the engine's command serving the export at a path
+
+
+def served_target(config: DraftConfig, settings: ExportSettings) -> str | None:
+    """The target as a serving engine opens it: --target, else the draft's own (an embedded target's cached
+    checkpoint, not our registry name); None when neither is known."""
+    from wingspan.models.registry import EMBEDDED, checkpoint_dir
+
+    name = settings.verifier or (config.target.name_or_path if config.target else None)
+    return str(checkpoint_dir(name)) if name in EMBEDDED else name
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -310,9 +321,16 @@ def verify(fmt: Format, draft: Eagle3Draft, directory: Path, dtype: torch.dtype)
         )
 
 
-def write_export(fmt: Format, draft: Eagle3Draft, out_dir: Path, settings: ExportSettings, replaceable: bool) -> Path:
-    """Check, write, verify, then move into place. An existing `out_dir` is replaced only when `replaceable`
-    (it holds an earlier export, or nothing)."""
+def write_export(
+    fmt: Format,
+    draft: Eagle3Draft,
+    out_dir: Path,
+    settings: ExportSettings,
+    replaceable: bool,
+    provenance: Provenance | None = None,
+) -> Path:
+    """Check, write (with its model card), verify, then move into place. An existing `out_dir` is replaced only
+    when `replaceable` (it holds an earlier export, or nothing)."""
     fmt.check(draft)
     if not all(bool(torch.isfinite(p.detach()).all()) for p in draft.parameters()):  # no fp32 copy of them all
         raise ExportError("the draft has non-finite weights (NaN or inf); refusing to export it")
@@ -321,6 +339,8 @@ def write_export(fmt: Format, draft: Eagle3Draft, out_dir: Path, settings: Expor
     with atomic_directory(out_dir) as tmp:
         fmt.write(draft, tmp, settings)
         verify(fmt, draft, tmp, torch_dtype(settings.dtype))
+        serve = fmt.serve(draft.config, out_dir.resolve(), settings)
+        (tmp / CARD).write_text(model_card(draft.config, fmt.engines, serve, provenance or Provenance()))
     return out_dir
 
 

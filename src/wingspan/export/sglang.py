@@ -24,7 +24,15 @@ from wingspan.config import DraftConfig
 from wingspan.dtypes import torch_dtype
 from wingspan.errors import ExportError
 from wingspan.export import vllm
-from wingspan.export.core import ExportSettings, Format, check_served, our_tensors, refuse_parallel, save_export
+from wingspan.export.core import (
+    ExportSettings,
+    Format,
+    check_served,
+    our_tensors,
+    refuse_parallel,
+    save_export,
+    served_target,
+)
 from wingspan.models.draft import Eagle3Draft
 
 LATER_LAYER_NORM = re.compile(r"^layers\.([1-9]\d*)\.input_layernorm\.weight$")
@@ -103,6 +111,15 @@ def recognises(data: dict, names: set[str]) -> bool:
     return data.get("architectures") == [vllm.ARCHITECTURE] and any(n.startswith("midlayer.") for n in names)
 
 
+def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
+    k = settings.speculative_tokens
+    return (
+        f"python -m sglang.launch_server --model {served_target(config, settings) or 'TARGET'} "
+        f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {directory} --speculative-num-steps {k} "
+        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+    )
+
+
 FORMAT = Format(
     name="sglang",
     engines="SGLang (--speculative-algorithm EAGLE3), SpecForge",
@@ -111,4 +128,5 @@ FORMAT = Format(
     recognises=recognises,
     read_config=read_config,
     read_tensors=read_tensors,
+    serve=serve,
 )

@@ -29,6 +29,7 @@ from wingspan.export.core import (
     refuse_parallel,
     refuse_variants,
     save_export,
+    served_target,
 )
 from wingspan.models.draft import Eagle3Draft
 
@@ -41,16 +42,12 @@ def check(draft: Eagle3Draft) -> None:
 
 
 def verifier(config: DraftConfig, settings: ExportSettings) -> dict:
-    from wingspan.models.registry import EMBEDDED, checkpoint_dir
-
-    name = settings.verifier or (config.target.name_or_path if config.target else None)
+    name = served_target(config, settings)
     if name is None:
         raise ExportError(
             "the speculators format names the target (speculators_config.verifier); this draft does not record "
             "its target: give it with --target NAME_OR_PATH"
         )
-    if name in EMBEDDED:  # what vLLM can open: the converted checkpoint, not our registry name
-        name = str(checkpoint_dir(name))
     architectures = config.target.architectures if config.target else []
     return {"name_or_path": name, "architectures": architectures}
 
@@ -145,6 +142,10 @@ def recognises(data: dict, names: set[str]) -> bool:
     return "speculators_model_type" in data
 
 
+def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
+    return f"vllm serve {directory}  # the target: the export's verifier, {served_target(config, settings)}"
+
+
 FORMAT = Format(
     name="speculators",
     engines="vLLM (vllm serve DIR), speculators",
@@ -153,4 +154,5 @@ FORMAT = Format(
     recognises=recognises,
     read_config=read_config,
     read_tensors=read_tensors,
+    serve=serve,
 )

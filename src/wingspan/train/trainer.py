@@ -117,12 +117,16 @@ def build_draft(target, config: TrainConfig, d2t: torch.Tensor, t2d: torch.Tenso
 
 
 def start_from(draft: Eagle3Draft, directory: str) -> None:
-    """Load an `init_from` draft's weights into the run's new draft, whose shape must be the same."""
+    """Load an `init_from` draft's weights into the run's new draft, whose shape must be the same. A chain
+    draft may start a parallel run: its weights are the parallel draft's but the mask's, which starts fresh."""
     from wingspan.pipeline import starting_draft
 
     config, weights = starting_draft(directory)
     ours = dataclasses.asdict(draft.config) | {"target": None}
     theirs = dataclasses.asdict(config) | {"target": None}
+    if config.draft_mode == "chain" and draft.config.draft_mode == "parallel":
+        theirs |= {"draft_mode": "parallel", "mask_token_id": draft.config.mask_token_id}
+        weights = weights | {"mask_hidden": draft.mask_hidden.detach().cpu()}
     differ = [f"{k}: the draft has {theirs[k]}, the run {ours[k]}" for k in ours if ours[k] != theirs[k]]
     if differ:
         raise ConfigError(f"init_from {directory}: not the run's draft shape ({'; '.join(differ)})")
@@ -174,6 +178,7 @@ class MetricLog:
         record.update({f"acc_{j}": v for j, v in enumerate(accuracy)})
         record["sim_accept_len"] = simulated_acceptance_length(accuracy, len(accuracy))
         record["grad_norm"] = self.grad_norm_sum.item() / self.optimizer_steps if self.optimizer_steps else None
+        record["tokens"] = int(tokens.item())  # non-pad tokens trained on in the window
         record["tokens_per_s"] = tokens.item() / max(1e-9, time.perf_counter() - self.started)
         record["skipped_steps"] = self.skipped
         # JSON has no NaN or inf: a non-finite figure (a window of skipped steps only) is written as null
