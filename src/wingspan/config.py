@@ -343,7 +343,7 @@ class TrainConfig:
     save_every: int = 200  # optimizer steps between checkpoints (and always at the end)
     keep_checkpoints: int = 2  # the newest N stay on disk (more: score the draft along its training)
     log_every: int = 10
-    tensorboard: bool = False
+    tracker: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)  # logged to, besides metrics.jsonl
     num_threads: int | None = None
 
     def __post_init__(self) -> None:

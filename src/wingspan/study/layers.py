@@ -29,6 +29,7 @@ from wingspan.files import write_text_atomically
 from wingspan.models.draft import Eagle3Draft
 from wingspan.study.config import DECODERS, EXTENSIBLE_FIELDS, Setting, SettingResult, StudyConfig
 from wingspan.study.report import write_study_report
+from wingspan.trackers import TrackerName, Trackers
 
 
 def open_study(config: StudyConfig, out: Path) -> StudyConfig:
@@ -179,9 +180,16 @@ def draft_cost(results: list[dict[str, Any]]) -> float | None:
     return (sum(p["spec_draft_s"] for p in prompts) / drafted) / (greedy_s / greedy_tokens)
 
 
-def run_study(config: StudyConfig, out: Path, threads: int | None = None, device: str | None = None) -> Path:
+def run_study(
+    config: StudyConfig,
+    out: Path,
+    threads: int | None = None,
+    device: str | None = None,
+    trackers: list[TrackerName] | None = None,
+) -> Path:
     """Every stage in order; returns the report's path. Re-running continues where it stopped, on any `device`
-    (not part of the study: it changes where the work runs, not what it computes)."""
+    (not part of the study: it changes where the work runs, not what it computes). The study's table goes to
+    `trackers` at the end (each setting's training logs to its own `tracker` setting)."""
     from wingspan.devices import resolve_device, use_cpu_threads
     from wingspan.pipeline import load_target
 
@@ -204,4 +212,20 @@ def run_study(config: StudyConfig, out: Path, threads: int | None = None, device
         draft_dir = train_setting(setting_train_config(config, setting, out, vocab_path, dump_dir, dump_tokens), target)
         evaluate_setting(config, setting, draft_dir, target, prompt_sets, out)
         write_study_report(config, out, collect(config, out, list(prompt_sets)))
+    if trackers:
+        log = Trackers(trackers, out, to_dict(config), "study")
+        log.table("study", *study_table(collect(config, out, list(prompt_sets))))
+        log.close()
     return out / "report.md"
+
+
+def study_table(rows: list[SettingResult]) -> tuple[list[str], list[list]]:
+    """(columns, rows) of the study for a tracker: each setting's shape and its tau per decoder and set."""
+    measured = list(dict.fromkeys((d, name) for r in rows for d, sets in r.eval.items() for name in sets))
+    columns = ["setting", "layers", "injection", "parameters"] + [f"{d}/{name}/tau" for d, name in measured]
+    table = [
+        [r.name, r.layers, r.injection, r.parameters]
+        + [r.eval.get(d, {}).get(name, {}).get("acceptance_length") for d, name in measured]
+        for r in rows
+    ]
+    return columns, table

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from wingspan.config import DraftConfig, TargetIdentity, TrainConfig, save_json
+from wingspan.config import DraftConfig, TargetIdentity, TrainConfig, save_json, to_dict
 from wingspan.data.batching import MicroBatch, collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
 from wingspan.data.vocab import DraftVocab
@@ -32,6 +32,7 @@ from wingspan.dtypes import dtype_name
 from wingspan.errors import CheckpointError, ConfigError, TrainingError, WingspanError
 from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.families import rope_parameters
+from wingspan.trackers import Trackers
 from wingspan.train.checkpoint import Checkpoint, checkpoint_directories, resume_point, save_checkpoint
 from wingspan.train.distributed import (
     World,
@@ -140,16 +141,12 @@ class MetricLog:
     rank 0 writes the record, so the figures are those of the whole global batch.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool, steps: int, world: World, device: torch.device) -> None:
+    def __init__(self, run_dir: Path, config: TrainConfig, world: World, device: torch.device) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.steps = steps
+        self.steps = config.unroll_steps
         self.world = world
         self.device = device
-        self.writer = None
-        if tensorboard and world.is_main:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.trackers = Trackers(config.tracker, run_dir, to_dict(config), job="train", enabled=world.is_main)
         self.reset()
 
     def reset(self) -> None:
@@ -188,11 +185,7 @@ class MetricLog:
             return record
         with self.path.open("a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
-        if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+        self.trackers.scalars(record, step)
         return record
 
 
@@ -463,7 +456,7 @@ def train(
         )
 
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    log = MetricLog(run_dir, config.tensorboard, config.unroll_steps, world, trainee.device)
+    log = MetricLog(run_dir, config, world, trainee.device)
     guard = FiniteGuard(config, sequences)
     last_checkpoint = step
     plan = plan_epoch(lengths, config, epoch, config.shuffle)
@@ -504,6 +497,7 @@ def train(
             last_checkpoint = step
             world.barrier()
     progress.close()
+    log.trackers.close()
     final = run_dir / "draft"
     weights = full_weights(trainee.draft)
     if world.is_main:
