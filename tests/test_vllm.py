@@ -198,3 +198,73 @@ def test_vllm_serves_a_parallel_draft(default_target_dir, target, parallel_draft
     got = {"drafts": result["drafts"], "accepted_tokens": result["accepted_tokens"], "per_position": per_position}
     for key in ("drafts", "accepted_tokens"):
         assert abs(got[key] - expected[key]) <= max(1, 0.02 * expected[key]), f"vLLM {got}, ours {expected}"
+
+
+def test_wingspan_serve_starts_vllm_with_the_draft(quickstart_dir, tmp_path):
+    """`wingspan serve` on the quickstart's draft directory (exported on the fly) starts vLLM's OpenAI server in
+    the vLLM venv; a chat completion comes back, /metrics shows accepted draft tokens, and Ctrl-C (SIGINT) stops
+    both processes cleanly, taking the temporary export with them."""
+    import json as jsonlib
+    import os
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "wingspan", "serve", str(quickstart_dir / "run" / "draft"), "--python"]
+    command += [str(VLLM_PYTHON), "--port", str(port), "--", "--dtype", "float32", "--max-model-len", "1024"]
+    command += ["--enforce-eager", "--served-model-name", "smollm2"]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        )
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
+    try:
+        while True:
+            assert process.poll() is None, f"wingspan serve exited:\n{log_path.read_text()[-5000:]}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"not healthy after 600 s:\n{log_path.read_text()[-5000:]}"
+            time.sleep(2)
+        request = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": "List the days of the week, one per line."}],
+            "max_tokens": 96,
+            "temperature": 0,
+        }
+        post = urllib.request.Request(
+            f"{url}/v1/chat/completions", jsonlib.dumps(request).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(post, timeout=300) as response:
+            reply = jsonlib.loads(response.read())
+        assert reply["choices"][0]["message"]["content"].strip()
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        accepted = re.search(r"^vllm:spec_decode_num_accepted_tokens_total\{[^}]*\} ([0-9.e+]+)$", metrics, re.M)
+        assert accepted is not None and float(accepted[1]) > 0, metrics[-3000:]
+        printed = log_path.read_text()
+        assert "the same server by hand:\n  vllm serve " in printed and '"method": "eagle3"' in printed
+        export = re.search(r"serving (\S+) with vLLM", printed)[1]
+        assert Path(export, "config.json").is_file()
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            returncode = process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert returncode == 0, log_path.read_text()[-3000:]
+    assert not Path(export).exists()  # the temporary export went with the server
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more

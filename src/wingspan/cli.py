@@ -634,6 +634,34 @@ def export(
     typer.echo(f"wrote {written}\nserve it:  {serve_command(written, settings)}")
 
 
+@app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    draft: Annotated[
+        Path, typer.Argument(help="A draft directory (run/draft, a checkpoint) or a vllm/speculators export.")
+    ],
+    engine: Annotated[str, typer.Option(help="The serving engine: vllm.")] = "vllm",
+    python: Annotated[
+        str | None,
+        typer.Option(help="The Python of the environment where the engine is installed (default: this one)."),
+    ] = None,
+    target: Annotated[
+        str | None, typer.Option(help="The target as the engine opens it (default: the one the draft records).")
+    ] = None,
+    k: Annotated[int, typer.Option(min=1, help="Draft tokens per step (num_speculative_tokens).")] = 3,
+    host: Annotated[str, typer.Option(help="The address the server listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Its port.")] = 8000,
+) -> None:
+    """Start the engine's OpenAI-compatible server for the target with the draft (a draft directory is exported
+    for it first) and print the equivalent raw command; Ctrl-C stops it. Arguments after `--` go to the engine
+    (e.g. `-- --dtype float32 --max-model-len 4096`)."""
+    from wingspan.serve import serve as run
+
+    if engine != "vllm":
+        raise ConfigError(f"--engine {engine!r}: serve runs vllm; an sglang export's README.md has SGLang's command")
+    raise typer.Exit(run(draft, python, target, k, host, port, list(ctx.args)))
+
+
 @app.command("import")
 def import_checkpoint(
     source: Annotated[

@@ -71,10 +71,16 @@ def write(draft: Eagle3Draft, directory: Path, settings: ExportSettings) -> None
     save_export(directory, config_json(draft.config, settings.dtype), our_tensors(draft, torch_dtype(settings.dtype)))
 
 
-def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
-    speculative = {"method": "eagle3", "model": str(directory), "num_speculative_tokens": settings.speculative_tokens}
+def speculative_config(config: DraftConfig, directory: Path, num_speculative_tokens: int) -> dict:
+    """vLLM's --speculative-config for the export in `directory` (a parallel draft's turns parallel drafting on)."""
+    speculative = {"method": "eagle3", "model": str(directory), "num_speculative_tokens": num_speculative_tokens}
     if config.draft_mode == "parallel":
         speculative["parallel_drafting"] = True
+    return speculative
+
+
+def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
+    speculative = speculative_config(config, directory, settings.speculative_tokens)
     target = served_target(config, settings) or "TARGET"
     return f"vllm serve {target} --speculative-config '{json.dumps(speculative)}'"
 
