@@ -92,3 +92,8 @@ def test_training_logs_to_tensorboard_and_wandb(tiny_target, tmp_path, monkeypat
 def test_unknown_tracker_is_refused():
     with pytest.raises(ConfigError, match=r"tracker\[0\]: 'mlflow' is not one of \['tensorboard', 'wandb'\]"):
         from_dict(TrainConfig, {"tracker": ["mlflow"]})
+
+
+def test_a_config_from_before_trackers_reads_as_it_meant():
+    assert from_dict(TrainConfig, {"tensorboard": True}).tracker == ["tensorboard"]
+    assert from_dict(TrainConfig, {"tensorboard": False}).tracker == []

@@ -80,6 +80,8 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     """Build dataclass `cls` from `data`; unknown keys and wrong types are errors naming the field."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
+    if cls is TrainConfig and "tensorboard" in data and "tensorboard" not in names:
+        data = upgraded_train_fields(data)
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where or cls.__name__}: unknown field(s) {unknown}; known: {sorted(names)}")
@@ -270,6 +272,15 @@ class DraftConfig:
 
 
 TTT_STEPS_DEFAULT = 7
+
+
+def upgraded_train_fields(data: dict) -> dict:
+    """A run config written before `tracker` replaced `tensorboard: bool` (a run's config.json, a recipe file),
+    read as it meant."""
+    data = dict(data)
+    if data.pop("tensorboard"):
+        data["tracker"] = list(dict.fromkeys([*data.get("tracker", []), "tensorboard"]))
+    return data
 
 
 @dataclass
