@@ -125,6 +125,11 @@ def test_train_resume_and_export(tiny_llama_dir, conversations, tmp_path):
     tau = json.loads((tmp_path / "eval" / "results.json").read_text())["sets"][0]["acceptance_length"]
     assert f"| counting | 2 | {tau:.2f} |" in card
     assert serve in card
+    # A checkpoint's card: the run up to that step only.
+    exported = wingspan("export", str(run / "checkpoints" / "step-3"), "--out", str(tmp_path / "step3"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert f"- optimizer steps: 3, {first['tokens']:,} tokens" in (tmp_path / "step3" / "README.md").read_text()
 
     # an import of that export starts a new run: its vocab and aux layers are the draft's, not rebuilt
     imported = wingspan("import", str(tmp_path / "vllm"), "--out", str(tmp_path / "imported"))

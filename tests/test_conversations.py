@@ -402,3 +402,10 @@ def test_a_dataset_sources_fingerprint_is_what_it_reads(offline_datasets, tmp_pa
     assert source_sha256(f"hub:{repository}") != source_sha256(f"hub:{repository}:test")
     assert source_sha256(f"hub:{repository}") != source_sha256(f"hub:{repository}?conversations=messages")
     assert source_sha256(f"hub:{copy}:test") == source_sha256(f"hub:{repository}:test")  # the rows, not the path
+
+
+def test_a_dataset_file_that_breaks_while_read_is_a_data_error(offline_datasets, tmp_path):
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1" + b"\0" * 64)  # a parquet header and nothing readable after it
+    with pytest.raises(DataError, match=rf"^{broken}(\[row 0\])?: cannot (load|read) it \("):
+        read_conversations(broken)

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import interrupted_copy
 from test_trainer import config, identity_vocab, sequences, tiny_target  # noqa: F401 (a fixture)
 
 from wingspan.config import TrainConfig, from_dict
@@ -40,10 +41,10 @@ def wandb_records(path: Path):
             break  # zeros: the unwritten end
 
 
-def wandb_history(run_dir: Path) -> tuple[dict[int, dict[str, float]], dict]:
-    """{step: {key: value}} of every W&B run file under `run_dir`, and the config the run recorded."""
+def wandb_history(run_dir: Path, run_id: str = "*") -> tuple[dict[int, dict[str, float]], dict]:
+    """{step: {key: value}} of the W&B run files under `run_dir` (of one run, or all), and the config recorded."""
     history, recorded = {}, {}
-    for path in sorted(run_dir.glob("wandb/*-run-*/run-*.wandb")):
+    for path in sorted(run_dir.glob(f"wandb/*-run-*/run-{run_id}.wandb")):
         for record in wandb_records(path):
             if record.WhichOneof("record_type") == "history":
                 step = record.history.step.num
@@ -80,6 +81,16 @@ def test_training_logs_to_tensorboard_and_wandb(tiny_target, tmp_path, monkeypat
     events.Reload()
     assert [e.step for e in events.Scalars("loss_0")] == [4, 8]
     assert [e.value for e in events.Scalars("acc_1")] == pytest.approx([m["acc_1"] for m in metrics], rel=1e-6)
+
+    # Killed after it logged step 8 and resumed from its step-4 checkpoint: W&B would ignore step 8 logged again
+    # in the same run, so the rewound run logs to a new one, which holds it.
+    rewound = interrupted_copy(run, tmp_path / "rewound" / "run", at=4)
+    again = config(tmp_path / "rewound", **fields)
+    train(again, tiny_target, sequences(8, 11), d2t, t2d, resume=True)
+    new_id = (rewound / "wandb_run_id").read_text().strip()
+    assert new_id != (run / "wandb_run_id").read_text().strip()
+    new_history = wandb_history(rewound, run_id=new_id)[0]
+    assert new_history[8]["loss_0"] == pytest.approx(metrics[1]["loss_0"], rel=1e-9)  # the same step, run again
 
     # A longer run resumed from it logs into the same W&B run.
     run_id = (run / "wandb_run_id").read_text().strip()

@@ -261,7 +261,7 @@ def test_wingspan_serve_starts_vllm_with_the_draft(quickstart_dir, tmp_path):
         assert accepted is not None and float(accepted[1]) > 0, metrics[-3000:]
         printed = log_path.read_text()
         assert "the same server by hand:\n  vllm serve " in printed and '"method": "eagle3"' in printed
-        export = re.search(r"serving (\S+) with vLLM", printed)[1]
+        export = re.search(r"serving (\S+) \(a temporary export, removed when the server stops", printed)[1]
         assert Path(export, "config.json").is_file()
     finally:
         process.send_signal(signal.SIGINT)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,27 +53,36 @@ def vllm_arguments(export: Path, target: str | None, k: int, host: str, port: in
     return ["--model", target, "--speculative-config", json.dumps(speculative), "--host", host, "--port", str(port)]
 
 
-def run_server(command: list[str]) -> int:
-    """Run the server until it exits or Ctrl-C (SIGINT or SIGTERM here), which is passed on to it: it gets a
-    minute to shut down, then is killed. Returns its exit status (0 after a clean stop)."""
-    process = subprocess.Popen(command, start_new_session=True)  # signals reach it from us only
+def run_server(command: list[str], grace_s: float = 60.0) -> int:
+    """Run the server until it exits or is told to stop: Ctrl-C, SIGTERM or SIGHUP here is passed on to its whole
+    process group (vLLM's engine runs in child processes) as SIGINT; it gets `grace_s` to shut down, and a second
+    signal or the end of the grace kills the group. Nothing of the group outlives this call. Returns 0 after a
+    clean stop, 128 + 9 when it had to be killed, else the server's own exit status."""
+    process = subprocess.Popen(command, start_new_session=True)  # its own group: signals reach it from us only
+    asked: list[float] = []  # when we passed a stop on
 
-    def stop(signum, frame) -> None:
-        raise KeyboardInterrupt
+    def on_signal(signum, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL if asked else signal.SIGINT)
+        asked.append(time.monotonic())
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        return process.wait()
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        return 0
+        while True:
+            try:
+                code = process.wait(timeout=1)
+                break
+            except subprocess.TimeoutExpired:
+                if asked and time.monotonic() - asked[0] > grace_s:
+                    on_signal(signal.SIGKILL, None)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        with contextlib.suppress(ProcessLookupError):  # the engine's processes, whatever became of the server
+            os.killpg(process.pid, signal.SIGKILL)
+    if not asked:
+        return code
+    return 128 + signal.SIGKILL if code == -signal.SIGKILL else 0
 
 
 def serve(
@@ -84,16 +95,26 @@ def serve(
     extra: list[str],
 ) -> int:
     interpreter = python or sys.executable
-    check = subprocess.run(
-        [interpreter, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        capture_output=True,
-    )
+    try:
+        check = subprocess.run(
+            [interpreter, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+            capture_output=True,
+        )
+    except OSError as error:
+        raise ConfigError(f"--python {interpreter}: cannot run it ({error.strerror})") from None
     if check.returncode != 0:
         raise ConfigError(
             f"--python {interpreter}: vLLM is not importable there; point --python at the env that has it"
         )
     with served_export(draft) as export:
         arguments = vllm_arguments(export, target, k, host, port) + extra
-        print(f"serving {export} with vLLM; the same server by hand:\n  vllm serve {shlex.join(arguments[1:])}")
+        temporary = (
+            ""
+            if export == draft
+            else " (a temporary export, removed when the server stops: `wingspan export` keeps one)"
+        )
+        print(
+            f"serving {export}{temporary} with vLLM; the same server by hand:\n  vllm serve {shlex.join(arguments[1:])}"
+        )
         print(f"  ({shlex.join([interpreter, *VLLM_ENTRY, *arguments])})", flush=True)
         return run_server([interpreter, *VLLM_ENTRY, *arguments])

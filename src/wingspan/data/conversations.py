@@ -282,21 +282,32 @@ def _dataset_records(spec: str) -> Iterator[tuple[str, Any]]:
     except DataError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as error:  # not found, offline, no such config or split
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{spec}: cannot load it ({first_line})") from None
+        raise DataError(f"{spec}: cannot load it ({_first_line(error)})") from None
     if columns is not None:
         missing = {field: column for field, column in renames.items() if column not in columns}
         if missing:
             raise DataError(
                 f"{spec}: no column(s) {sorted(missing.values())} to read as {sorted(missing)}; it has {columns}"
             )
-    for index, row in enumerate(rows):
+    iterator, index = iter(rows), 0
+    while True:
+        try:
+            row = next(iterator, None)
+        except (OSError, ValueError, TypeError) as error:  # a stream cut off, a row the format cannot cast
+            raise DataError(f"{label}[row {index}]: cannot read it ({_first_line(error)})") from None
+        if row is None:
+            return
         record = dict(row)
         for field_name, column in renames.items():
             if column not in record:
                 raise DataError(f"{label}[row {index}]: no column {column!r} to read as {field_name!r}")
             record[field_name] = record.pop(column)
         yield f"{label}[row {index}]", record
+        index += 1
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _parse_record(record: Any, source: str, default_id: str) -> list[Conversation]:

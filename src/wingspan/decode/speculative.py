@@ -182,26 +182,15 @@ def _draft_tree(
 
 
 def _draft_parallel(
-    draft: Eagle3Draft,
-    root_hidden: torch.Tensor,
-    origin: int,
-    caches: list[KVCache],
-    depth: int,
-    temperature: float,
-    generator: torch.Generator | None,
-    clock: Clock,
+    draft: Eagle3Draft, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, clock: Clock
 ) -> DraftTree:
-    """A parallel draft's chain of `depth` tokens from one forward: the first from the step-0 hidden state at
-    `origin` ([1, 1, H]), the others from mask slots at positions origin + 1.. (causal among themselves, after
-    the verified prefix), exactly as vLLM's parallel drafting and `wingspan.train.ttt` compute them."""
-    hidden = root_hidden[0]
+    """A parallel draft's chain from the round's one forward: `hidden` [depth, H] holds the step-0 hidden state at
+    the origin (the first token) and the mask slots' at origin + 1.. (the others), which attended causally among
+    themselves after the verified prefix, exactly as vLLM's parallel drafting and `wingspan.train.ttt` compute."""
     with clock("draft"):
-        if depth > 1:
-            slot_hidden, slot_ids = draft.mask_slots(1, depth - 1)
-            positions = torch.arange(origin + 1, origin + depth, device=hidden.device)[None]
-            hidden = torch.cat([hidden, draft(slot_hidden, slot_ids, positions, caches)[0]])
         logits = draft.logits(hidden)
     tokens, _, proposals = choose_children(draft, logits, 1, temperature, generator)
+    depth = hidden.shape[0]
     return DraftTree(
         tokens=tokens[:, 0].tolist(),
         parents=list(range(-1, depth - 1)),
@@ -269,14 +258,20 @@ def speculative_generate(
         if depth > 0:
             # Step 0 over the newly verified positions p: (f_p, token p + 1) at RoPE position p.
             count = pending_aux.shape[0]
-            positions = torch.arange(first_unread, first_unread + count, device=device)[None]
+            origin = first_unread + count - 1
+            # A parallel draft's mask slots (positions origin + 1..) join this forward: one per round, as vLLM.
+            slots = depth - 1 if parallel else 0
+            positions = torch.arange(first_unread, origin + 1 + slots, device=device)[None]
             ids = torch.tensor([sequence[first_unread + 1 : first_unread + 1 + count]], device=device)
             with clock("draft"):
                 projected = draft.project_aux(pending_aux[None].to(device, dtype))
-                root_hidden = draft(projected, ids, positions, draft_caches)[:, -1:]
-            origin = first_unread + count - 1
+                if slots:
+                    slot_hidden, slot_ids = draft.mask_slots(1, slots)
+                    projected, ids = torch.cat([projected, slot_hidden], dim=1), torch.cat([ids, slot_ids], dim=1)
+                hidden = draft(projected, ids, positions, draft_caches)[:, count - 1 :]
+            root_hidden = hidden[:, :1]
             if parallel:
-                drafts = _draft_parallel(draft, root_hidden, origin, draft_caches, depth, temperature, generator, clock)
+                drafts = _draft_parallel(draft, hidden[0], temperature, generator, clock)
             else:
                 drafts = _draft_tree(
                     draft, root_hidden, origin, draft_caches, shape.shortened(depth), sample_drafts, generator, clock

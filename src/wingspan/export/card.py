@@ -57,15 +57,17 @@ def provenance_of(draft_dir: str | Path, evaluation: str | Path | None = None) -
     and the evaluation results file given, read strictly: a results file that is not one is an error."""
     draft_dir = Path(draft_dir).resolve()
     run = draft_dir.parent if draft_dir.name == "draft" else None
-    if draft_dir.parent.name == "checkpoints":
-        run = draft_dir.parent.parent
+    last_step = None  # a checkpoint's: the run's records after it are not this draft's
+    if draft_dir.parent.name == "checkpoints" and draft_dir.name.removeprefix("step-").isdigit():
+        run, last_step = draft_dir.parent.parent, int(draft_dir.name.removeprefix("step-"))
     provenance = Provenance()
     if run is not None and (run / "config.json").is_file():
         try:
             provenance.run_config = json.loads((run / "config.json").read_text())
             metrics = run / "metrics.jsonl"
             if metrics.is_file():
-                provenance.metrics = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                provenance.metrics = [r for r in records if last_step is None or r.get("step", 0) <= last_step]
         except (OSError, ValueError):
             provenance = Provenance()  # an unreadable run says nothing; the card then says less
     if evaluation is not None:

@@ -16,6 +16,7 @@ What its code does, and what the export writes for it:
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import torch
@@ -114,8 +115,9 @@ def recognises(data: dict, names: set[str]) -> bool:
 def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
     k = settings.speculative_tokens
     return (
-        f"python -m sglang.launch_server --model {served_target(config, settings) or 'TARGET'} "
-        f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {directory} --speculative-num-steps {k} "
+        f"python -m sglang.launch_server --model {shlex.quote(served_target(config, settings) or 'TARGET')} "
+        f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(str(directory))} "
+        f"--speculative-num-steps {k} "
         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
     )
 

@@ -12,6 +12,7 @@ to the target's) has no d2t/t2d there: speculators registers neither buffer for 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import torch
@@ -143,7 +144,8 @@ def recognises(data: dict, names: set[str]) -> bool:
 
 
 def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
-    return f"vllm serve {directory}  # the target: the export's verifier, {served_target(config, settings)}"
+    verifier = served_target(config, settings)
+    return f"vllm serve {shlex.quote(str(directory))}  # the target: the export's verifier, {verifier}"
 
 
 FORMAT = Format(

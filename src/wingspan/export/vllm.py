@@ -23,6 +23,7 @@ What vLLM 0.32's `llama_eagle3.py` does with the files, and why the export looks
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import torch
@@ -82,7 +83,7 @@ def speculative_config(config: DraftConfig, directory: Path, num_speculative_tok
 def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
     speculative = speculative_config(config, directory, settings.speculative_tokens)
     target = served_target(config, settings) or "TARGET"
-    return f"vllm serve {target} --speculative-config '{json.dumps(speculative)}'"
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(speculative))}"
 
 
 def aux_layer_ids(data: dict, where: str) -> list[int]:

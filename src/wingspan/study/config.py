@@ -65,7 +65,11 @@ class StudyConfig:
         taken = sorted(set(self.train) & set(PER_SETTING_FIELDS))
         if taken:
             raise ConfigError(f"train: {taken} are set by the study itself for each setting; remove them")
-        self.base_train_config()  # unknown or invalid training fields fail here, before anything runs
+        if self.base_train_config().draft_mode == "parallel":  # invalid training fields fail here, before any run
+            raise ConfigError(
+                "train: draft_mode parallel: the study evaluates every draft with the chain and the tree decoder, "
+                "and a parallel draft has only its own (a parallel study mode is not there yet)"
+            )
         for decoder in DECODERS:
             self.eval_settings(decoder)
 

@@ -167,12 +167,13 @@ def require_same_run(where: Path, trainer_state: dict, current: dict) -> list[st
     return notes
 
 
-def cut_metrics(path: Path, step: int) -> None:
+def cut_metrics(path: Path, step: int) -> bool:
     """Keep the records of `metrics.jsonl` up to `step` (the checkpoint resumed; 0: none), so that the steps
-    run again after a resume are not logged twice; a line cut short by the interruption goes too."""
+    run again after a resume are not logged twice; a line cut short by the interruption goes too. Returns
+    whether records after `step` were dropped (the run is rewound)."""
     if not path.exists():
-        return
-    kept = []
+        return False
+    kept, dropped = [], False
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
@@ -180,4 +181,7 @@ def cut_metrics(path: Path, step: int) -> None:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line + "\n")
+        else:
+            dropped = True
     write_text_atomically(path, "".join(kept))
+    return dropped

@@ -32,7 +32,7 @@ from wingspan.dtypes import dtype_name
 from wingspan.errors import CheckpointError, ConfigError, TrainingError, WingspanError
 from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.families import rope_parameters
-from wingspan.trackers import Trackers
+from wingspan.trackers import WANDB_RUN_ID, Trackers
 from wingspan.train.checkpoint import Checkpoint, checkpoint_directories, resume_point, save_checkpoint
 from wingspan.train.distributed import (
     World,
@@ -378,7 +378,12 @@ def open_run(
         save_json(config, run_dir / "config.json")
         if built_vocab is not None:
             built_vocab.save(run_dir / "vocab.safetensors")
-        cut_metrics(run_dir / "metrics.jsonl", checkpoint.trainer_state["step"] if checkpoint else 0)
+        resumed_at = checkpoint.trainer_state["step"] if checkpoint else 0
+        if cut_metrics(run_dir / "metrics.jsonl", resumed_at) and (run_dir / WANDB_RUN_ID).exists():
+            # W&B keeps the steps the interrupted run logged after the checkpoint and ignores a step logged twice:
+            # the steps run again go to a new W&B run, not silently nowhere
+            (run_dir / WANDB_RUN_ID).unlink()
+            print0(f"W&B: the interrupted run logged steps after {resumed_at}; this run logs to a new W&B run")
     return checkpoint
 
 
@@ -463,41 +468,45 @@ def train(
     progress = tqdm(
         total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, disable=not world.is_main
     )
-    while step < total_steps:
-        group = []  # the global batch: every rank plans the same micro-batches
-        while len(group) < config.grad_accum:
-            if batch_index >= len(plan):
-                epoch, batch_index = epoch + 1, 0
-                plan = plan_epoch(lengths, config, epoch, config.shuffle)
-            group.append(collate(sequences, plan[batch_index], pad_id))
-            batch_index += 1
-        lr = learning_rate(step, total_steps, config)
-        metrics = train_step(trainee, group, features, lr, config, world)
-        step += 1
-        guard.add(step, group, metrics)
-        log.add(metrics)
-        progress.update(1)
-        if step % config.log_every == 0 or step == total_steps:
-            guard.check(last_checkpoint)
-            record = log.flush(step, lr)
-            if record["loss_0"] is not None:
-                progress.set_postfix(
-                    loss=f"{record['loss_0']:.3f}", acc0=f"{record['acc_0']:.3f}", tau=f"{record['sim_accept_len']:.2f}"
-                )
-        if step % config.save_every == 0 or step == total_steps:
-            guard.check(last_checkpoint)
-            # Every rank gathers (FSDP), rank 0 writes; the data position is global, so any world size resumes it.
-            draft = trainee.draft
-            weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, trainee.optimizer)
-            if world.is_main:
-                position = {"step": step, "epoch": epoch, "batch_index": batch_index, "run": run_record}
-                save_checkpoint(
-                    run_dir, step, weights, draft.config, optimizer_state, position, keep=config.keep_checkpoints
-                )
-            last_checkpoint = step
-            world.barrier()
+    try:
+        while step < total_steps:
+            group = []  # the global batch: every rank plans the same micro-batches
+            while len(group) < config.grad_accum:
+                if batch_index >= len(plan):
+                    epoch, batch_index = epoch + 1, 0
+                    plan = plan_epoch(lengths, config, epoch, config.shuffle)
+                group.append(collate(sequences, plan[batch_index], pad_id))
+                batch_index += 1
+            lr = learning_rate(step, total_steps, config)
+            metrics = train_step(trainee, group, features, lr, config, world)
+            step += 1
+            guard.add(step, group, metrics)
+            log.add(metrics)
+            progress.update(1)
+            if step % config.log_every == 0 or step == total_steps:
+                guard.check(last_checkpoint)
+                record = log.flush(step, lr)
+                if record["loss_0"] is not None:
+                    progress.set_postfix(
+                        loss=f"{record['loss_0']:.3f}",
+                        acc0=f"{record['acc_0']:.3f}",
+                        tau=f"{record['sim_accept_len']:.2f}",
+                    )
+            if step % config.save_every == 0 or step == total_steps:
+                guard.check(last_checkpoint)
+                # Every rank gathers (FSDP), rank 0 writes; the data position is global, so any world size resumes it.
+                draft = trainee.draft
+                weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, trainee.optimizer)
+                if world.is_main:
+                    position = {"step": step, "epoch": epoch, "batch_index": batch_index, "run": run_record}
+                    save_checkpoint(
+                        run_dir, step, weights, draft.config, optimizer_state, position, keep=config.keep_checkpoints
+                    )
+                last_checkpoint = step
+                world.barrier()
+    finally:  # the trackers' files are complete whether the run ends or stops
+        log.trackers.close()
     progress.close()
-    log.trackers.close()
     final = run_dir / "draft"
     weights = full_weights(trainee.draft)
     if world.is_main:
