@@ -78,10 +78,12 @@ def test_vllm_layout_and_fields(tmp_path):
 
 @pytest.mark.parametrize("layers", [1, 3])
 def test_parallel_draft_exports_its_mask_for_vllm_only(tmp_path, layers):
-    draft = tiny_draft(layers, draft_mode="parallel", mask_token_id=96)
+    draft = tiny_draft(layers, draft_mode="parallel", mask_token_id=96, num_parallel_tokens=4)
     out = export(draft, tmp_path / "vllm")
     config = json.loads((out / "config.json").read_text())
     assert config["mask_token_id"] == 96 and "mask_token_id" not in config["eagle_config"]
+    # the serve command (card) turns parallel drafting on, with the K it was trained for
+    assert '"num_speculative_tokens": 4, "parallel_drafting": true}' in (out / "README.md").read_text()
     weights = load_file(str(out / "model.safetensors"))
     assert weights["mask_hidden"].shape == (3 * 32,)  # vLLM: [3 * target hidden], before fc
     loaded = read_export(out, draft.embed_tokens.weight)

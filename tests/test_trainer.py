@@ -106,6 +106,7 @@ def test_a_parallel_draft_learns_its_mask_slots(tiny_target, tmp_path):
     assert metrics[0]["acc_1"] < 0.2
     saved = json.loads((draft_dir / "draft_config.json").read_text())
     assert (saved["draft_mode"], saved["mask_token_id"]) == ("parallel", VOCAB - 1)  # the default: the last id
+    assert saved["num_parallel_tokens"] == 3  # what export and serve default K to
     assert "mask_hidden" in load_file(str(draft_dir / "model.safetensors"))
 
 

@@ -603,13 +603,13 @@ def export(
         str, typer.Option(help="Weights dtype: bfloat16 (bf16), float32 (fp32) or float16 (fp16).", parser=dtype_name)
     ] = "bfloat16",
     num_speculative_tokens: Annotated[
-        int,
+        int | None,
         typer.Option(
             min=1,
             help="Draft tokens per step: what a speculators config proposes (vLLM's default there) and the printed "
-            "serve command uses.",
+            "serve command uses (default: a parallel draft's trained count, else 3).",
         ),
-    ] = 3,
+    ] = None,
     eval_results: Annotated[
         Path | None,
         typer.Option("--eval", help="A `wingspan eval` results.json: its figures go into the model card."),
@@ -648,7 +648,13 @@ def serve(
     target: Annotated[
         str | None, typer.Option(help="The target as the engine opens it (default: the one the draft records).")
     ] = None,
-    k: Annotated[int, typer.Option(min=1, help="Draft tokens per step (num_speculative_tokens).")] = 3,
+    k: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Draft tokens per step (num_speculative_tokens; default: a parallel draft's trained count, else 3).",
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="The address the server listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Its port.")] = 8000,
 ) -> None:

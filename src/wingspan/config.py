@@ -238,6 +238,7 @@ class DraftConfig:
     # `mask_hidden` features (docs/formats.md#parallel-drafting)
     draft_mode: Literal["chain", "parallel"] = "chain"
     mask_token_id: int | None = None  # parallel drafts: the target-vocab id mask slots read
+    num_parallel_tokens: int | None = None  # parallel drafts: the tokens per round it was trained for (None: unknown)
 
     def __post_init__(self) -> None:
         for name in (
@@ -269,6 +270,21 @@ class DraftConfig:
             raise ConfigError("mask_token_id: a parallel draft needs one, and only a parallel draft has one")
         if self.mask_token_id is not None:
             require_range("mask_token_id", self.mask_token_id, at_least=0, below=self.vocab_size)
+        if self.num_parallel_tokens is not None:
+            if self.draft_mode != "parallel":
+                raise ConfigError("num_parallel_tokens: only a parallel draft has one")
+            require_range("num_parallel_tokens", self.num_parallel_tokens, at_least=2)
+
+    def draft_tokens(self, asked: int | None) -> int:
+        """Draft tokens per round to serve or decode: what was asked, else a parallel draft's trained count, else
+        3 (vLLM's usual); a parallel draft asked for more than it was trained for is warned about."""
+        k = asked or self.num_parallel_tokens or 3
+        if self.num_parallel_tokens is not None and k > self.num_parallel_tokens:
+            print(
+                f"warning: {k} draft tokens per round, but this parallel draft was trained for "
+                f"{self.num_parallel_tokens}: mask slots beyond that were never trained"
+            )
+        return k
 
 
 TTT_STEPS_DEFAULT = 7

@@ -43,13 +43,13 @@ def served_export(draft: Path) -> Iterator[Path]:
         yield export_draft(load_any_draft(draft), Path(tmp) / "vllm-draft", "vllm", ExportSettings())
 
 
-def vllm_arguments(export: Path, target: str | None, k: int, host: str, port: int) -> list[str]:
+def vllm_arguments(export: Path, target: str | None, k: int | None, host: str, port: int) -> list[str]:
     """The arguments of vLLM's server (after the entry point) for `export`, the target and the draft's K."""
     config = export_config(export)
     target = target or served_target(config, ExportSettings())
     if target is None:
         raise ConfigError(f"{export}: the draft records no target; give it with --target NAME_OR_PATH")
-    speculative = speculative_config(config, export.resolve(), k)
+    speculative = speculative_config(config, export.resolve(), config.draft_tokens(k))
     return ["--model", target, "--speculative-config", json.dumps(speculative), "--host", host, "--port", str(port)]
 
 
@@ -89,7 +89,7 @@ def serve(
     draft: Path,
     python: str | None,
     target: str | None,
-    k: int,
+    k: int | None,
     host: str,
     port: int,
     extra: list[str],

@@ -329,6 +329,8 @@ def decoders(target: TargetModel, draft: Eagle3Draft | None, settings: EvalSetti
     k, tree, temperature = settings.num_draft_tokens, settings.tree, settings.temperature
     if draft is not None and draft.config.draft_mode == "parallel" and (tree is not None or settings.batch_size > 1):
         raise ConfigError("a parallel draft drafts a chain from one forward, one prompt at a time: no tree, batch 1")
+    if draft is not None:
+        draft.config.draft_tokens(k)  # warns when a parallel draft is asked for more tokens than it was trained for
     if settings.batch_size == 1:
 
         def speculative(prompts, max_new_tokens, generator):

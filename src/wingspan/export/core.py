@@ -38,7 +38,9 @@ class ExportSettings:
     dtype: DtypeName = "bfloat16"
     # the target as the serving engine will find it (speculators' verifier name_or_path); None: the draft's
     verifier: str | None = None
-    speculative_tokens: int = 3  # draft tokens per step a speculators config proposes (vLLM's default for it)
+    # draft tokens per step a speculators config proposes and serve commands use; None: a parallel draft's trained
+    # count, else 3 (vLLM's default)
+    speculative_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ def recognises(data: dict, names: set[str]) -> bool:
 
 
 def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
-    k = settings.speculative_tokens
+    k = config.draft_tokens(settings.speculative_tokens)
     return (
         f"python -m sglang.launch_server --model {shlex.quote(served_target(config, settings) or 'TARGET')} "
         f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(str(directory))} "

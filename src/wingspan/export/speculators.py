@@ -63,7 +63,7 @@ def config_json(config: DraftConfig, settings: ExportSettings) -> dict:
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": settings.speculative_tokens,
+                    "speculative_tokens": config.draft_tokens(settings.speculative_tokens),
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }

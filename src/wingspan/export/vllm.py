@@ -65,6 +65,8 @@ def config_json(config: DraftConfig, dtype: str) -> dict:
         "torch_dtype": dtype,
         **identity_fields(config),
         **({"mask_token_id": config.mask_token_id} if config.draft_mode == "parallel" else {}),
+        # what we know and vLLM does not read: the tokens per round a parallel draft was trained for
+        **({"wingspan_parallel_tokens": config.num_parallel_tokens} if config.num_parallel_tokens else {}),
     }
 
 
@@ -81,7 +83,7 @@ def speculative_config(config: DraftConfig, directory: Path, num_speculative_tok
 
 
 def serve(config: DraftConfig, directory: Path, settings: ExportSettings) -> str:
-    speculative = speculative_config(config, directory, settings.speculative_tokens)
+    speculative = speculative_config(config, directory, config.draft_tokens(settings.speculative_tokens))
     target = served_target(config, settings) or "TARGET"
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(speculative))}"
 
@@ -110,6 +112,7 @@ def read_config(data: dict, where: str) -> DraftConfig:
     extra |= {k: data[k] for k in ("draft_vocab_size", "target_hidden_size") if data.get(k) is not None}
     if data.get("mask_token_id") is not None:
         extra |= {"draft_mode": "parallel", "mask_token_id": data["mask_token_id"]}
+        extra |= {"num_parallel_tokens": data.get("wingspan_parallel_tokens")}
     return draft_config_from_llama(data, extra, where)
 
 

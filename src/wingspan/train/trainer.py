@@ -82,6 +82,7 @@ def draft_config_for(target, config: TrainConfig, vocab_size: int, draft_vocab_s
         rope_scaling=rope_scaling,
         max_position_embeddings=hf.max_position_embeddings,
         draft_mode=config.draft_mode,
+        num_parallel_tokens=config.num_parallel_tokens if config.draft_mode == "parallel" else None,
         mask_token_id=(
             None
             if config.draft_mode == "chain"
@@ -128,7 +129,12 @@ def start_from(draft: Eagle3Draft, directory: str) -> None:
     if config.draft_mode == "chain" and draft.config.draft_mode == "parallel":
         theirs |= {"draft_mode": "parallel", "mask_token_id": draft.config.mask_token_id}
         weights = weights | {"mask_hidden": draft.mask_hidden.detach().cpu()}
-    differ = [f"{k}: the draft has {theirs[k]}, the run {ours[k]}" for k in ours if ours[k] != theirs[k]]
+    # the tokens per round may change: more training of a parallel draft may serve more (or fewer) of them
+    differ = [
+        f"{k}: the draft has {theirs[k]}, the run {ours[k]}"
+        for k in ours
+        if ours[k] != theirs[k] and k != "num_parallel_tokens"
+    ]
     if differ:
         raise ConfigError(f"init_from {directory}: not the run's draft shape ({'; '.join(differ)})")
     draft.load_trainable_state({k: v.to(draft.fc.weight.device) for k, v in weights.items()}, source=directory)
