@@ -50,19 +50,24 @@ def chain_logits(
     return out
 
 
+def assert_unroll_is_inference(draft: Eagle3Draft, inference, vocab: int, length: int = 12, steps: int = 4):
+    """The unroll's step-j logits at every origin equal `inference(draft, aux, ids, origin, steps)[j]` (fp64) on
+    random features and tokens below `vocab`; returns (aux, ids, the unroll's logits per step)."""
+    ids = torch.randint(0, vocab, (1, length))
+    aux = torch.randn(1, length, 72, dtype=torch.double)
+    trained = [draft.logits(hidden).detach() for hidden in unroll(draft, aux, ids, arange_positions(ids), steps)]
+    for origin in range(length - steps - 1):
+        inferred = inference(draft, aux, ids, origin, steps)
+        for j in range(steps):
+            torch.testing.assert_close(trained[j][:, origin], inferred[j], rtol=1e-9, atol=1e-9)
+    return aux, ids, trained
+
+
 @pytest.mark.parametrize("layers", [1, 2, 3])
 @pytest.mark.parametrize("injection", ["first", "all"])
 def test_training_logits_equal_inference_logits(layers, injection):
     torch.manual_seed(layers)
-    draft = Eagle3Draft(tiny_config(layers, injection)).double()
-    length, steps = 12, 4
-    ids = torch.randint(0, 97, (1, length))
-    aux = torch.randn(1, length, 72, dtype=torch.double)
-    trained = [draft.logits(hidden).detach() for hidden in unroll(draft, aux, ids, arange_positions(ids), steps)]
-    for origin in range(length - steps - 1):
-        inferred = chain_logits(draft, aux, ids, origin, steps)
-        for j in range(steps):
-            torch.testing.assert_close(trained[j][:, origin], inferred[j], rtol=1e-9, atol=1e-9)
+    assert_unroll_is_inference(Eagle3Draft(tiny_config(layers, injection)).double(), chain_logits, vocab=97)
 
 
 def parallel_logits(
@@ -82,14 +87,8 @@ def parallel_logits(
 def test_parallel_training_logits_equal_inference_logits(layers):
     torch.manual_seed(layers)
     draft = Eagle3Draft(tiny_config(layers, draft_mode="parallel", mask_token_id=96)).double()
-    length, tokens = 12, 4
-    ids = torch.randint(0, 96, (1, length))
-    aux = torch.randn(1, length, 72, dtype=torch.double)
-    trained = [draft.logits(hidden).detach() for hidden in unroll(draft, aux, ids, arange_positions(ids), tokens)]
-    for origin in range(length - tokens - 1):
-        inferred = parallel_logits(draft, aux, ids, origin, tokens)
-        for j in range(tokens):
-            torch.testing.assert_close(trained[j][:, origin], inferred[j], rtol=1e-9, atol=1e-9)
+    tokens = 4
+    aux, ids, trained = assert_unroll_is_inference(draft, parallel_logits, vocab=96, steps=tokens)
     # The slots read the mask, not the tokens after the origin nor the draft's own outputs: a chain's step
     # would differ.
     chain = Eagle3Draft(tiny_config(layers)).double()
