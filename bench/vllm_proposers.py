@@ -70,10 +70,7 @@ def speculative_config(proposer: dict, lookup: tuple[int, int]) -> dict | None:
             "prompt_lookup_min": lookup[0],
             "prompt_lookup_max": lookup[1],
         }
-    config = {"method": "eagle3", "model": proposer["model"], "num_speculative_tokens": proposer["k"]}
-    if "mask_token_id" in json.loads((Path(proposer["model"]) / "config.json").read_text()):
-        config["parallel_drafting"] = True  # a parallel draft (docs/formats.md)
-    return config
+    return referee.eagle3_config(proposer["model"], proposer["k"])
 
 
 def counters(llm) -> dict:

@@ -68,16 +68,21 @@ def metric_values(llm) -> dict[str, object]:
     return values
 
 
+def eagle3_config(draft: str, k: int) -> dict:
+    """vLLM's speculative config for the EAGLE-3 export in `draft`; a parallel draft (its config.json has
+    `mask_token_id`, docs/formats.md) drafts in parallel."""
+    config = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    if json.loads((Path(draft) / "config.json").read_text()).get("mask_token_id") is not None:
+        config["parallel_drafting"] = True
+    return config
+
+
 def serve(args: argparse.Namespace, with_draft: bool) -> dict:
     """One engine, one generate call over all prompts; returns outputs, timings and spec-decode counters."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    speculative_config = None
-    if with_draft:
-        speculative_config = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_spec_tokens}
-        if "mask_token_id" in json.loads((Path(args.draft) / "config.json").read_text()):
-            speculative_config["parallel_drafting"] = True  # a parallel draft (docs/formats.md)
+    speculative_config = eagle3_config(args.draft, args.num_spec_tokens) if with_draft else None
     start = time.perf_counter()
     llm = LLM(
         model=args.target,
