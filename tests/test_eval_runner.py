@@ -22,6 +22,7 @@ from wingspan.eval.runner import (
     EvalSettings,
     Turn,
     evaluate,
+    evaluate_shapes,
     load_models,
     prompt_result,
     summarize,
@@ -182,6 +183,35 @@ def test_batches_decode_each_prompt_as_it_is_decoded_alone(target, draft):
     assert all(row.spec_s > row.spec_draft_s > 0 and row.greedy_s > 0 for row in batched.prompts)
     with pytest.raises(ConfigError, match="trees are decoded one prompt at a time"):
         EvalSettings(batch_size=2, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+
+
+def test_draft_shapes_side_by_side_share_one_plain_baseline(target, draft, monkeypatch):
+    """A chain of 1, a chain of 3 and a tree measured together: each gives the rounds it gives alone, the plain
+    runs are decoded once per batch and carried by all three, and the order rotates from batch to batch."""
+    shapes = [
+        EvalSettings(num_draft_tokens=1, max_new_tokens=10, warmup_prompts=0),
+        EvalSettings(num_draft_tokens=3, max_new_tokens=10, warmup_prompts=0),
+        EvalSettings(tree_depth=3, tree_top_k=2, tree_total_tokens=8, max_new_tokens=10, warmup_prompts=0),
+    ]
+    calls = []
+    decode_plain = runner.plain_generate
+    decode_spec = runner.speculative_generate
+    monkeypatch.setattr(runner, "plain_generate", lambda *a, **kw: calls.append("plain") or decode_plain(*a, **kw))
+    monkeypatch.setattr(
+        runner,
+        "speculative_generate",
+        lambda *a, **kw: calls.append("tree" if kw["tree"] else a[4]) or decode_spec(*a, **kw),
+    )
+    together = evaluate_shapes(target, draft, PROMPTS, shapes, ["k1", "k3", "tree"])
+    # per turn: the first prompt has two, each decoder asks them in order; the start rotates by one each prompt
+    assert calls == [1, 1, 3, 3, "tree", "tree", "plain", "plain"] + [3, "tree", "plain", 1] + ["tree", "plain", 1, 3]
+    for shape, result in zip(shapes, together, strict=True):
+        alone = evaluate(target, draft, PROMPTS, shape)
+        assert result.outputs_differing == 0
+        assert [r.accepted_per_round for r in result.prompts] == [r.accepted_per_round for r in alone.prompts]
+        assert [r.greedy_s for r in result.prompts] == [r.greedy_s for r in together[0].prompts]
+    with pytest.raises(ConfigError, match="may differ only in chain length and tree"):
+        evaluate_shapes(target, draft, PROMPTS, [shapes[0], EvalSettings(max_new_tokens=11)], ["a", "b"])
 
 
 def test_tree_is_greedy_exact_and_sampling_is_seeded_per_prompt(target, draft):

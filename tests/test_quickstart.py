@@ -1,5 +1,6 @@
-"""The quickstart's closing measurement, on a tiny target: one `wingspan eval` report per chain length, and
-the lines it prints name the fastest chain length and the command that measures more."""
+"""The quickstart's closing measurement, on a tiny target: one `wingspan eval` report per chain length (one
+plain baseline for all), and the lines it prints name the fastest chain length and the command that measures
+more."""
 
 import json
 
@@ -17,6 +18,7 @@ def test_the_closing_measurement_reports_each_chain_length(target, draft, tmp_pa
     check = dict(prompt_set="mt_bench", limit=2, max_new_tokens=8, chain_lengths=(1, 3))
     measured = measure_draft(target, tmp_path / "vllm-draft", tmp_path / "eval", "float32", **check)
     assert sorted(measured) == [1, 3]
+    assert measured[1].greedy_tokens_per_s == measured[3].greedy_tokens_per_s  # one plain baseline for both
     for k, result in measured.items():
         saved = json.loads((tmp_path / "eval" / f"k{k}" / "results.json").read_text())
         assert saved["settings"]["num_draft_tokens"] == k and saved["sets"][0]["num_prompts"] == 2

@@ -39,7 +39,7 @@ QUICKSTART_RECIPE = dict(
     log_every=10,
 )
 SYNTH = dict(num_conversations=360, batch_size=32, max_new_tokens=256)
-# The closing measurement: wingspan's own decoder, greedy, side by side with plain decoding, at each chain length.
+# The closing measurement: wingspan's own decoder, greedy, at each chain length side by side with one plain baseline.
 CHECK = dict(prompt_set="mt_bench", limit=10, max_new_tokens=256, chain_lengths=(1, 3))
 
 
@@ -114,18 +114,21 @@ def measure_draft(
     max_new_tokens: int,
     chain_lengths: tuple[int, ...],
 ) -> dict[int, SetResult]:
-    """`wingspan eval --first-turns` of the draft at each chain length, in-process on the loaded target (in
-    `dtype`); each report goes to out/k<K>. Returns the set's result per chain length."""
+    """`wingspan eval --first-turns` of the draft at each chain length against one plain baseline, in-process on
+    the loaded target (in `dtype`); each report goes to out/k<K>. Returns the set's result per chain length."""
     from wingspan.eval.prompts import load_prompt_sets
     from wingspan.eval.report import write_report
-    from wingspan.eval.runner import EvalSettings, evaluate, load_draft
+    from wingspan.eval.runner import EvalSettings, evaluate_shapes, load_draft
 
     prompts = load_prompt_sets([prompt_set], limit)[prompt_set]
     draft = load_draft(draft_dir, target)
-    measured = {}
-    for k in chain_lengths:
-        settings = EvalSettings(num_draft_tokens=k, max_new_tokens=max_new_tokens, limit=limit, first_turns=True)
-        measured[k] = evaluate(target, draft, prompts, settings, name=f"{prompt_set}, chain of {k}")
+    shapes = [
+        EvalSettings(num_draft_tokens=k, max_new_tokens=max_new_tokens, limit=limit, first_turns=True)
+        for k in chain_lengths
+    ]
+    names = [f"{prompt_set}, chain of {k}" for k in chain_lengths]
+    measured = dict(zip(chain_lengths, evaluate_shapes(target, draft, prompts, shapes, names)))
+    for k, settings in zip(chain_lengths, shapes):
         write_report(
             out / f"k{k}",
             [measured[k]],

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -380,12 +380,36 @@ def evaluate(
 ) -> SetResult:
     """Decode every prompt with the draft (None: prompt lookup) and without it, side by side,
     `settings.batch_size` prompts at a time, and measure (see the module docstring)."""
+    (result,) = evaluate_shapes(target, draft, prompts, [settings], [name])
+    return result
+
+
+def evaluate_shapes(
+    target: TargetModel,
+    draft: Eagle3Draft | None,
+    prompts: list[EvalPrompt],
+    shapes: list[EvalSettings],
+    names: list[str],
+) -> list[SetResult]:
+    """`evaluate` for several draft shapes (settings that differ only in the chain length or the tree) against
+    one plain baseline: each batch is decoded plainly once and once per shape, the order rotating from batch
+    to batch. Every shape's result carries the same plain runs."""
+    settings = shapes[0]
+    for shape in shapes:
+        if replace(shape, num_draft_tokens=1, tree_depth=None, tree_top_k=None, tree_total_tokens=None) != replace(
+            settings, num_draft_tokens=1, tree_depth=None, tree_top_k=None, tree_total_tokens=None
+        ):
+            raise ConfigError("draft shapes evaluated side by side may differ only in chain length and tree")
     sampling = settings.temperature > 0
     if draft is None:
-        require_lookup_settings(settings)
+        for shape in shapes:
+            require_lookup_settings(shape)
     ngram_sizes = None if sampling or draft is None else (settings.ngram_min, settings.ngram_max)
-    chain_length = settings.tree.depth if settings.tree else settings.num_draft_tokens
-    speculative, plain = decoders(target, draft, settings)
+    chain_lengths = [shape.tree.depth if shape.tree else shape.num_draft_tokens for shape in shapes]
+    speculative = [decoders(target, draft, shape)[0] for shape in shapes]
+    plain = decoders(target, draft, settings)[1]
+    # the plain decoder last, so that one shape alternates with it as (spec, plain), (plain, spec), ...
+    everyone = [*speculative, plain]
     size = settings.batch_size
     batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
 
@@ -398,25 +422,28 @@ def evaluate(
         return torch.Generator(device=target.device).manual_seed(seed)
 
     for batch in batches[: settings.warmup_prompts]:
-        for decode in (speculative, plain):
+        for decode in everyone:
             run_conversations(target, decode, [p.turns[:1] for p in batch], WARMUP_TOKENS, sampler(batch))
 
-    rows = []
-    progress = tqdm(total=len(prompts), desc=name, unit="prompt", dynamic_ncols=True)
+    rows: list[list[PromptResult]] = [[] for _ in shapes]
+    progress = tqdm(total=len(prompts), desc=" / ".join(names), unit="prompt", dynamic_ncols=True)
     for index, batch in enumerate(batches):
-        runs = {}
-        order = ("spec", "plain") if index % 2 == 0 else ("plain", "spec")
-        for which in order:
-            decode = speculative if which == "spec" else plain
-            turns = [p.turns[:1] if settings.first_turns else p.turns for p in batch]
-            runs[which] = run_conversations(target, decode, turns, settings.max_new_tokens, sampler(batch))
-        for prompt, spec, greedy in zip(batch, runs["spec"], runs["plain"]):
-            rows.append(prompt_result(prompt, spec, greedy, not sampling, ngram_sizes, chain_length))
-        so_far = summarize(name, rows)
+        turns = [p.turns[:1] if settings.first_turns else p.turns for p in batch]
+        runs: dict[int, list[list[Turn]]] = {}
+        for which in range(index, index + len(everyone)):
+            which %= len(everyone)
+            runs[which] = run_conversations(target, everyone[which], turns, settings.max_new_tokens, sampler(batch))
+        for s, chain_length in enumerate(chain_lengths):
+            for prompt, spec, greedy in zip(batch, runs[s], runs[len(shapes)]):
+                rows[s].append(prompt_result(prompt, spec, greedy, not sampling, ngram_sizes, chain_length))
+        so_far = [summarize(name, shape_rows) for name, shape_rows in zip(names, rows)]
         progress.update(len(batch))
-        progress.set_postfix(tau=f"{so_far.acceptance_length or 0:.2f}", speedup=f"{so_far.speedup or 0:.2f}")
+        progress.set_postfix(
+            tau="/".join(f"{r.acceptance_length or 0:.2f}" for r in so_far),
+            speedup="/".join(f"{r.speedup or 0:.2f}" for r in so_far),
+        )
     progress.close()
-    return summarize(name, rows)
+    return [summarize(name, shape_rows) for name, shape_rows in zip(names, rows)]
 
 
 # ------------------------------------------------------------------------------------------------ models
