@@ -389,6 +389,13 @@ def test_dataset_sources_name_the_row_and_what_is_missing(offline_datasets, tmp_
         read_conversations("hub:")
     with pytest.raises(DataError, match=rf"{tmp_path / 'nope.parquet'}: file not found"):
         read_conversations(tmp_path / "nope.parquet")
+    with pytest.raises(DataError, match=r"two splits, 'train' after ':' and 'test' after '\?'; give one"):
+        read_conversations(f"hub:{repository}:train?split=test")
+    assert len(read_conversations(f"hub:{repository}:train?split=train")[0]) == 2
+    with pytest.raises(DataError, match="config= names a configuration of a hub dataset; .* has none"):
+        read_conversations(f"{tmp_path / 'nope.parquet'}?config=default")
+    with pytest.raises(DataError, match="split= chooses a split of a hub dataset or a saved dataset; .* is one file"):
+        read_conversations(f"{tmp_path / 'nope.parquet'}?split=test")
 
 
 def test_a_dataset_sources_fingerprint_is_what_it_reads(offline_datasets, tmp_path):
@@ -402,6 +409,25 @@ def test_a_dataset_sources_fingerprint_is_what_it_reads(offline_datasets, tmp_pa
     assert source_sha256(f"hub:{repository}") != source_sha256(f"hub:{repository}:test")
     assert source_sha256(f"hub:{repository}") != source_sha256(f"hub:{repository}?conversations=messages")
     assert source_sha256(f"hub:{copy}:test") == source_sha256(f"hub:{repository}:test")  # the rows, not the path
+
+
+def test_a_dataset_read_to_its_end_is_not_streamed_again_for_its_fingerprint(offline_datasets, tmp_path, monkeypatch):
+    from wingspan.data import conversations
+    from wingspan.data.conversations import source_sha256
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    repository = hub_repository(tmp_path / "repo", {"train": [{"id": str(i), "messages": turns} for i in range(3)]})
+    streamed = []
+    load_dataset = offline_datasets.load_dataset
+    monkeypatch.setattr(offline_datasets, "load_dataset", lambda *a, **kw: streamed.append(a) or load_dataset(*a, **kw))
+    read_conversations(f"hub:{repository}", limit=2)
+    assert len(streamed) == 1
+    read_conversations(f"hub:{repository}")
+    assert len(streamed) == 2
+    digest = source_sha256(f"hub:{repository}")
+    assert len(streamed) == 2  # the fingerprint was taken while the rows were read
+    monkeypatch.setattr(conversations, "_READ_DIGESTS", {})
+    assert source_sha256(f"hub:{repository}") == digest and len(streamed) == 3
 
 
 def test_a_dataset_file_that_breaks_while_read_is_a_data_error(offline_datasets, tmp_path):

@@ -30,7 +30,6 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl
@@ -195,12 +194,16 @@ def source_sha256(spec: str) -> str:
     return _records_sha256(spec) if is_dataset_source(spec) else sha256_of(spec)
 
 
-@cache  # a hub dataset is streamed: once per process is enough
+# spec -> the sha256 of its records, taken as they were read to the end (a hub dataset is then not streamed
+# again for its fingerprint)
+_READ_DIGESTS: dict[str, str] = {}
+
+
 def _records_sha256(spec: str) -> str:
-    digest = hashlib.sha256()
-    for _, record in _dataset_records(spec):
-        digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
-    return digest.hexdigest()
+    if spec not in _READ_DIGESTS:
+        for _ in _dataset_records(spec):
+            pass
+    return _READ_DIGESTS[spec]
 
 
 def _records(spec: str) -> Iterator[tuple[str, Any]]:
@@ -254,12 +257,18 @@ def _dataset_records(spec: str) -> Iterator[tuple[str, Any]]:
         raise DataError(f"{spec}: cannot read the options after '?'; expected KEY=VALUE&KEY=VALUE")
     config, split = options.pop("config", None), options.pop("split", None)
     renames = options  # field -> column
+    if config is not None and not base.startswith(HUB_PREFIX):
+        raise DataError(f"{spec}: config= names a configuration of a hub dataset; {base} has none")
+    if split is not None and not base.startswith(HUB_PREFIX) and not Path(base).is_dir():
+        raise DataError(f"{spec}: split= chooses a split of a hub dataset or a saved dataset; {base} is one file")
     datasets = import_optional("datasets", "datasets", f"reading {base}")
     try:
         if base.startswith(HUB_PREFIX):
             dataset_id, _, named_split = base.removeprefix(HUB_PREFIX).partition(":")
             if not dataset_id:
                 raise DataError(f"{spec}: no dataset id after {HUB_PREFIX!r}; expected hub:ID[:SPLIT]")
+            if named_split and split is not None and named_split != split:
+                raise DataError(f"{spec}: two splits, {named_split!r} after ':' and {split!r} after '?'; give one")
             split = named_split or split or "train"
             label = f"{HUB_PREFIX}{dataset_id}:{split}"
             rows = datasets.load_dataset(dataset_id, config, split=split, streaming=True)
@@ -289,19 +298,21 @@ def _dataset_records(spec: str) -> Iterator[tuple[str, Any]]:
             raise DataError(
                 f"{spec}: no column(s) {sorted(missing.values())} to read as {sorted(missing)}; it has {columns}"
             )
-    iterator, index = iter(rows), 0
+    iterator, index, digest = iter(rows), 0, hashlib.sha256()
     while True:
         try:
             row = next(iterator, None)
         except (OSError, ValueError, TypeError) as error:  # a stream cut off, a row the format cannot cast
             raise DataError(f"{label}[row {index}]: cannot read it ({_first_line(error)})") from None
         if row is None:
+            _READ_DIGESTS[spec] = digest.hexdigest()
             return
         record = dict(row)
         for field_name, column in renames.items():
             if column not in record:
                 raise DataError(f"{label}[row {index}]: no column {column!r} to read as {field_name!r}")
             record[field_name] = record.pop(column)
+        digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
         yield f"{label}[row {index}]", record
         index += 1
 
