@@ -230,5 +230,13 @@ def test_training_starts_from_an_imported_draft(tiny_target, tmp_path):
     parallel = dict(draft_mode="parallel", num_parallel_tokens=3, ttt_steps=7, max_steps=2, log_every=1)
     run = train(config(tmp_path / "e", init_from=str(imported), **parallel), tiny_target, data, d2t, t2d)
     assert losses(tmp_path / "e")[0] == pytest.approx(started, rel=1e-6)
-    with pytest.raises(ConfigError, match="draft_mode: the draft has parallel, the run chain"):
+    with pytest.raises(ConfigError, match="a parallel draft; set draft_mode: parallel to train it further"):
         train(config(tmp_path / "f", init_from=str(run)), tiny_target, data, d2t, t2d)
+
+    # A parallel draft continued keeps its mask token unless the run names another one.
+    mark = dict(init_from=str(imported), mask_token_id=7)
+    marked = train(config(tmp_path / "g", **mark, **parallel), tiny_target, data, d2t, t2d)
+    continued = train(config(tmp_path / "h", init_from=str(marked), **parallel), tiny_target, data, d2t, t2d)
+    assert Eagle3Draft.load(continued).config.mask_token_id == 7
+    with pytest.raises(ConfigError, match="mask_token_id: the draft has 7, the run 9"):
+        train(config(tmp_path / "i", init_from=str(marked), mask_token_id=9, **parallel), tiny_target, data, d2t, t2d)

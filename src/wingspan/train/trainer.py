@@ -83,13 +83,7 @@ def draft_config_for(target, config: TrainConfig, vocab_size: int, draft_vocab_s
         max_position_embeddings=hf.max_position_embeddings,
         draft_mode=config.draft_mode,
         num_parallel_tokens=config.num_parallel_tokens if config.draft_mode == "parallel" else None,
-        mask_token_id=(
-            None
-            if config.draft_mode == "chain"
-            else vocab_size - 1
-            if config.mask_token_id is None
-            else config.mask_token_id
-        ),
+        mask_token_id=mask_token_id_for(config, vocab_size),
         target=TargetIdentity(
             name_or_path=target.name,
             model_type=hf.model_type,
@@ -98,6 +92,19 @@ def draft_config_for(target, config: TrainConfig, vocab_size: int, draft_vocab_s
             dtype=dtype_name(str(target.dtype).removeprefix("torch.")),
         ),
     )
+
+
+def mask_token_id_for(config: TrainConfig, vocab_size: int) -> int | None:
+    """A parallel run's mask token: the config's; else, continuing a parallel draft (`init_from`), that draft's,
+    whose `mask_hidden` was trained with it; else the target's last id."""
+    from wingspan.pipeline import starting_draft
+
+    if config.draft_mode == "chain":
+        return None
+    if config.mask_token_id is not None:
+        return config.mask_token_id
+    start = starting_draft(config.init_from, names=())[0] if config.init_from else None
+    return vocab_size - 1 if start is None or start.mask_token_id is None else start.mask_token_id
 
 
 def build_draft(target, config: TrainConfig, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Draft:
@@ -129,6 +136,8 @@ def start_from(draft: Eagle3Draft, directory: str) -> None:
     if config.draft_mode == "chain" and draft.config.draft_mode == "parallel":
         theirs |= {"draft_mode": "parallel", "mask_token_id": draft.config.mask_token_id}
         weights = weights | {"mask_hidden": draft.mask_hidden.detach().cpu()}
+    if config.draft_mode == "parallel" and draft.config.draft_mode == "chain":
+        raise ConfigError(f"init_from {directory}: a parallel draft; set draft_mode: parallel to train it further")
     # the tokens per round may change: more training of a parallel draft may serve more (or fewer) of them
     differ = [
         f"{k}: the draft has {theirs[k]}, the run {ours[k]}"
