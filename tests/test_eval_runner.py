@@ -1,6 +1,7 @@
 """`wingspan eval` on a tiny random target: the metrics by hand, speculative output equal to greedy in fp32,
 multi-turn prompts continued from each decoder's own answer, and the command end to end."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,7 +23,7 @@ from wingspan.eval.runner import (
     EvalSettings,
     Turn,
     evaluate,
-    evaluate_shapes,
+    evaluate_side_by_side,
     load_models,
     prompt_result,
     summarize,
@@ -202,7 +203,7 @@ def test_draft_shapes_side_by_side_share_one_plain_baseline(target, draft, monke
         "speculative_generate",
         lambda *a, **kw: calls.append("tree" if kw["tree"] else a[4]) or decode_spec(*a, **kw),
     )
-    together = evaluate_shapes(target, draft, PROMPTS, shapes, ["k1", "k3", "tree"])
+    together = evaluate_side_by_side(target, [(draft, s) for s in shapes], PROMPTS, ["k1", "k3", "tree"])
     # per turn: the first prompt has two, each decoder asks them in order; the start rotates by one each prompt
     assert calls == [1, 1, 3, 3, "tree", "tree", "plain", "plain"] + [3, "tree", "plain", 1] + ["tree", "plain", 1, 3]
     for shape, result in zip(shapes, together, strict=True):
@@ -211,7 +212,21 @@ def test_draft_shapes_side_by_side_share_one_plain_baseline(target, draft, monke
         assert [r.accepted_per_round for r in result.prompts] == [r.accepted_per_round for r in alone.prompts]
         assert [r.greedy_s for r in result.prompts] == [r.greedy_s for r in together[0].prompts]
     with pytest.raises(ConfigError, match="may differ only in chain length and tree"):
-        evaluate_shapes(target, draft, PROMPTS, [shapes[0], EvalSettings(max_new_tokens=11)], ["a", "b"])
+        evaluate_side_by_side(
+            target, [(draft, shapes[0]), (draft, EvalSettings(max_new_tokens=11))], PROMPTS, ["a", "b"]
+        )
+
+
+def test_drafts_and_prompt_lookup_side_by_side_give_what_each_gives_alone(target, draft):
+    other = favoured_draft(target, seed=1)
+    settings = EvalSettings(max_new_tokens=10, warmup_prompts=0)
+    proposers = [(draft, settings), (None, settings), (other, settings)]
+    together = evaluate_side_by_side(target, proposers, PROMPTS, ["draft", "lookup", "other"])
+    for (proposer, _), result in zip(proposers, together, strict=True):
+        alone = evaluate(target, proposer, PROMPTS, settings)
+        assert result.outputs_differing == 0 and (result.lookup is None) == (proposer is None)
+        assert [r.accepted_per_round for r in result.prompts] == [r.accepted_per_round for r in alone.prompts]
+    assert together[1].acceptance_length > 1  # lookup finds the tiny target's repetitions
 
 
 def test_tree_is_greedy_exact_and_sampling_is_seeded_per_prompt(target, draft):
@@ -364,7 +379,7 @@ def test_cli_writes_all_three_files(tiny_llama_dir, target, draft, tmp_path):
     )
 
 
-def test_cli_measures_prompt_lookup_and_wants_one_proposer(tiny_llama_dir, tmp_path):
+def test_cli_measures_prompt_lookup_and_proposers_side_by_side(tiny_llama_dir, target, draft, tmp_path):
     base = [sys.executable, "-m", "wingspan", "eval", "--target", str(tiny_llama_dir), "--sets", "mt_bench"]
     base += ["--limit", "1", "--max-new-tokens", "6", "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path)]
     done = subprocess.run([*base, "--ngram", "--ngram-sizes", "1,3"], capture_output=True, text=True, timeout=300)
@@ -373,9 +388,35 @@ def test_cli_measures_prompt_lookup_and_wants_one_proposer(tiny_llama_dir, tmp_p
     assert results["draft"] == "prompt lookup (ngram 1..3)"
     assert (results["settings"]["ngram_min"], results["settings"]["ngram_max"]) == (1, 3)
     assert results["sets"][0]["outputs_differing"] == 0 and results["sets"][0]["lookup"] is None
+
+    # Two drafts of one name and prompt lookup, against one plain baseline: a report each, and a table of all.
+    other = favoured_draft(target, seed=1)
+    for directory, model in ((tmp_path / "a" / "draft", draft), (tmp_path / "b" / "draft", other)):
+        write_draft(directory, model.trainable_state_dict(), model.config)
+    drafts = ["--draft", str(tmp_path / "a" / "draft"), "--draft", str(tmp_path / "b" / "draft")]
+    base[-1] = str(tmp_path / "side")
+    done = subprocess.run([*base, *drafts, "--ngram"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = {
+        label: json.loads((tmp_path / "side" / label / "results.json").read_text())
+        for label in ("1-draft", "2-draft", "ngram")
+    }
+    assert (
+        reports["1-draft"]["draft"] == str(tmp_path / "a" / "draft") and reports["ngram"]["sets"][0]["lookup"] is None
+    )
+    sets = [report["sets"][0] for report in reports.values()]
+    assert len({s["greedy_tokens_per_s"] for s in sets}) == 1  # one plain run
+    assert all(s["outputs_differing"] == 0 for s in sets)
+    table = (tmp_path / "side" / "results.md").read_text()
+    for label, s in zip(reports, sets):
+        assert f"| mt_bench | {label} | {s['acceptance_length']:.3f} |" in table
+    assert table in done.stdout
+    shifted = tmp_path / "shifted"
+    write_draft(shifted, other.trainable_state_dict(), dataclasses.replace(other.config, aux_layer_ids=[0, 1, 2]))
+    refused = subprocess.run([*base, *drafts[:2], "--draft", str(shifted)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "drafts measured side by side must read the same layers" in refused.stderr
     refusals = (
-        ([], "error: give a draft (--draft PATH) or --ngram, one of them"),
-        (["--ngram", "--draft", str(tmp_path)], "error: give a draft (--draft PATH) or --ngram, one of them"),
+        ([], "error: give a draft (--draft PATH, repeatable), --ngram, or both"),
         (["--ngram", "--ngram-sizes", "2"], "error: --ngram-sizes '2': expected MIN,MAX, e.g. 2,4"),
         (["--ngram", "--ngram-sizes", "3,2"], "error: --ngram-sizes '3,2': need 1 <= MIN <= MAX"),
         (["--ngram", "--batch-size", "2"], "error: prompt lookup drafts a chain, one prompt at a time"),

@@ -343,15 +343,18 @@ def parse_ngram_sizes(text: str) -> tuple[int, int]:
 def evaluate_draft(
     out: Annotated[Path, typer.Option(help="Output directory: results.json, results.md, acceptance.png.")],
     draft: Annotated[
-        Path | None,
-        typer.Option(help="A draft directory (run/draft, a checkpoint, an import) or an export of any format."),
+        list[Path] | None,
+        typer.Option(
+            help="A draft directory (run/draft, a checkpoint, an import) or an export of any format. Repeat it (and "
+            "add --ngram) to measure several side by side against one plain baseline, each in OUT/<its name>."
+        ),
     ] = None,
     ngram: Annotated[
         bool,
         typer.Option(
             "--ngram",
-            help="Instead of a draft: prompt lookup, the drafts that followed the context's last n-gram earlier in "
-            "it (vLLM's method ngram), the baseline a draft must beat.",
+            help="Prompt lookup, the drafts that followed the context's last n-gram earlier in it (vLLM's method "
+            "ngram), the baseline a draft must beat: alone, or beside the drafts given.",
         ),
     ] = False,
     ngram_sizes: Annotated[
@@ -408,19 +411,28 @@ def evaluate_draft(
     ] = 1,
     tracker: TrackerOption = "",
 ) -> None:
-    """Measure a draft (or prompt lookup, --ngram): acceptance length, acceptance per draft position and speedup
-    over plain greedy decoding of the same target, run side by side on each prompt; for a draft, also its
-    acceptance where prompt lookup would have proposed and elsewhere. See docs/evaluation.md."""
+    """Measure a draft (or prompt lookup, --ngram, or several of them side by side): acceptance length,
+    acceptance per draft position and speedup over plain greedy decoding of the same target, run side by side on
+    each prompt; for a draft, also its acceptance where prompt lookup would have proposed and elsewhere. See
+    docs/evaluation.md."""
     from wingspan.devices import resolve_device, use_cpu_threads
     from wingspan.eval.prompts import load_prompt_sets
-    from wingspan.eval.report import markdown, write_report
-    from wingspan.eval.runner import EvalSettings, evaluate, load_models, require_lookup_settings
+    from wingspan.eval.report import comparison, markdown, write_report
+    from wingspan.eval.runner import (
+        EvalSettings,
+        another_draft,
+        evaluate_side_by_side,
+        load_models,
+        require_lookup_settings,
+    )
+    from wingspan.files import write_text_atomically
     from wingspan.models.target import TargetModel
     from wingspan.plots import require_matplotlib
     from wingspan.trackers import Trackers, parse_trackers
 
-    if (draft is None) == (not ngram):
-        raise ConfigError("give a draft (--draft PATH) or --ngram, one of them")
+    drafts = draft or []
+    if not drafts and not ngram:
+        raise ConfigError("give a draft (--draft PATH, repeatable), --ngram, or both")
     trackers = parse_trackers(tracker)
     depth, top_k, total = parse_tree(tree) if tree else (None, None, None)
     ngram_min, ngram_max = parse_ngram_sizes(ngram_sizes)
@@ -441,42 +453,59 @@ def evaluate_draft(
     )
     if ngram:
         require_lookup_settings(settings)
+    labels = proposer_labels(drafts, ngram)
     # Everything that can fail fast does, before the models load and the decoding starts.
     require_matplotlib()
     prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit)
     where = resolve_device(device)
     use_cpu_threads(where, threads)
     templates = template_options(chat_template, chat_template_kwargs)
-    if draft is None:
-        model, draft_model = TargetModel.load(target, dtype=dtype, device=where, **templates), None
-        proposer = f"prompt lookup (ngram {ngram_min}..{ngram_max})"
+    if drafts:
+        model, first = load_models(target, drafts[0], dtype, where, **templates)
+        models = [first] + [another_draft(d, model, target, drafts[0]) for d in drafts[1:]]
     else:
-        model, draft_model = load_models(target, draft, dtype, where, **templates)
-        proposer = str(draft)
-    results = []
-    for name, prompts in prompt_sets.items():
-        results.append(evaluate(model, draft_model, prompts, settings, name=name))
+        model, models = TargetModel.load(target, dtype=dtype, device=where, **templates), []
+    proposers = [(m, settings) for m in models] + ([(None, settings)] if ngram else [])
+    names = [*map(str, drafts)] + ([f"prompt lookup (ngram {ngram_min}..{ngram_max})"] if ngram else [])
+    dirs = [out] if len(proposers) == 1 else [out / label for label in labels]
+    results: list[list] = [[] for _ in proposers]
+    for set_name, prompts in prompt_sets.items():
+        measured = evaluate_side_by_side(model, proposers, prompts, [set_name] * len(proposers))
         # After every set: a long run that fails later keeps what it measured.
-        write_report(out, results, settings, target=target, draft=proposer, dtype=dtype, device=where)
-    typer.echo(markdown(results, settings, target=target, draft=proposer, dtype=dtype, device=where))
-    typer.echo(f"wrote {out}/results.json, results.md, acceptance.png")
+        for found, result, directory, name in zip(results, measured, dirs, names):
+            found.append(result)
+            write_report(directory, found, settings, target=target, draft=name, dtype=dtype, device=where)
+        if len(proposers) > 1:
+            text = comparison(dict(zip(labels, results)), settings, target=target, dtype=dtype, device=where)
+            write_text_atomically(out / "results.md", text)
+    if len(proposers) == 1:
+        typer.echo(markdown(results[0], settings, target=target, draft=names[0], dtype=dtype, device=where))
+        typer.echo(f"wrote {out}/results.json, results.md, acceptance.png")
+    else:
+        typer.echo(text)
+        typer.echo(f"wrote {out}/results.md and each proposer's results in {', '.join(map(str, dirs))}")
     if trackers:
-        log = Trackers(
-            trackers, out, {"target": target, "draft": proposer, "dtype": dtype, **to_dict(settings)}, "eval"
-        )
-        log_eval_results(log, results)
+        log = Trackers(trackers, out, {"target": target, "draft": names, "dtype": dtype, **to_dict(settings)}, "eval")
+        for label, found in zip(labels, results):
+            log_eval_results(log, found, prefix="" if len(proposers) == 1 else f"{label}/")
         log.close()
 
 
-def log_eval_results(log, results) -> None:
-    """An eval's table (results.md's columns) and each set's tau and speedup as scalars."""
+def proposer_labels(drafts: list[Path], ngram: bool) -> list[str]:
+    """Each proposer's name in a side-by-side eval (its results' directory): a draft's directory name (with its
+    place when two share a name), and `ngram`."""
+    labels = [d.resolve().name or "draft" for d in drafts] + (["ngram"] if ngram else [])
+    return [f"{i}-{label}" if labels.count(label) > 1 else label for i, label in enumerate(labels, start=1)]
+
+
+def log_eval_results(log, results, prefix: str = "") -> None:
+    """An eval's table (results.md's columns) and each set's tau and speedup as scalars, their names prefixed."""
     from wingspan.eval.report import COLUMNS, table_row
 
-    log.table("eval", list(COLUMNS), [table_row(result) for result in results])
+    log.table(f"{prefix}eval", list(COLUMNS), [table_row(result) for result in results])
     for result in results:
-        log.scalars(
-            {f"{result.name}/acceptance_length": result.acceptance_length, f"{result.name}/speedup": result.speedup}, 0
-        )
+        name = f"{prefix}{result.name}"
+        log.scalars({f"{name}/acceptance_length": result.acceptance_length, f"{name}/speedup": result.speedup}, 0)
 
 
 @replay_app.command("references")

@@ -118,7 +118,7 @@ def measure_draft(
     the loaded target (in `dtype`); each report goes to out/k<K>. Returns the set's result per chain length."""
     from wingspan.eval.prompts import load_prompt_sets
     from wingspan.eval.report import write_report
-    from wingspan.eval.runner import EvalSettings, evaluate_shapes, load_draft
+    from wingspan.eval.runner import EvalSettings, evaluate_side_by_side, load_draft
 
     prompts = load_prompt_sets([prompt_set], limit)[prompt_set]
     draft = load_draft(draft_dir, target)
@@ -127,7 +127,7 @@ def measure_draft(
         for k in chain_lengths
     ]
     names = [f"{prompt_set}, chain of {k}" for k in chain_lengths]
-    measured = dict(zip(chain_lengths, evaluate_shapes(target, draft, prompts, shapes, names)))
+    measured = dict(zip(chain_lengths, evaluate_side_by_side(target, [(draft, s) for s in shapes], prompts, names)))
     for k, settings in zip(chain_lengths, shapes):
         write_report(
             out / f"k{k}",

@@ -135,6 +135,32 @@ def markdown(
     return "\n".join(lines)
 
 
+def comparison(
+    proposers: dict[str, list[SetResult]], settings: EvalSettings, *, target: str, dtype: str, device: torch.device
+) -> str:
+    """results.md of a side-by-side eval: per set, one row per proposer, all against the same plain runs."""
+    columns = ("set", "proposer", "tau", "acceptance per position", "spec tok/s", "greedy tok/s", "speedup")
+    rows = [
+        [result.name, label, *(table_row(result)[i] for i in (2, 3, 5, 6, 7))]
+        for sets in zip(*proposers.values())
+        for label, result in zip(proposers, sets)
+    ]
+    return "\n".join(
+        [
+            "# wingspan eval, side by side",
+            "",
+            f"Target `{target}` ({dtype}): {decoding(settings)}; torch {torch.__version__}, on {describe(device)}. "
+            "Each prompt was decoded plainly once and once per proposer, the order rotating from prompt to prompt; "
+            "greedy tok/s is that one plain run's. Each proposer's own report is in its directory.",
+            "",
+            "| " + " | ".join(columns) + " |",
+            "|---|---|---:|---|" + "---:|" * 3,
+            *("| " + " | ".join(row) + " |" for row in rows),
+            "",
+        ]
+    )
+
+
 LOOKUP_COLUMNS = (
     "set",
     "rounds with a match",

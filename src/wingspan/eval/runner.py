@@ -380,35 +380,34 @@ def evaluate(
 ) -> SetResult:
     """Decode every prompt with the draft (None: prompt lookup) and without it, side by side,
     `settings.batch_size` prompts at a time, and measure (see the module docstring)."""
-    (result,) = evaluate_shapes(target, draft, prompts, [settings], [name])
+    (result,) = evaluate_side_by_side(target, [(draft, settings)], prompts, [name])
     return result
 
 
-def evaluate_shapes(
-    target: TargetModel,
-    draft: Eagle3Draft | None,
-    prompts: list[EvalPrompt],
-    shapes: list[EvalSettings],
-    names: list[str],
+# A draft (None: prompt lookup) and how it drafts: the chain length or the tree.
+Proposer = tuple[Eagle3Draft | None, EvalSettings]
+
+
+def evaluate_side_by_side(
+    target: TargetModel, proposers: list[Proposer], prompts: list[EvalPrompt], names: list[str]
 ) -> list[SetResult]:
-    """`evaluate` for several draft shapes (settings that differ only in the chain length or the tree) against
-    one plain baseline: each batch is decoded plainly once and once per shape, the order rotating from batch
-    to batch. Every shape's result carries the same plain runs."""
-    settings = shapes[0]
-    for shape in shapes:
-        if replace(shape, num_draft_tokens=1, tree_depth=None, tree_top_k=None, tree_total_tokens=None) != replace(
-            settings, num_draft_tokens=1, tree_depth=None, tree_top_k=None, tree_total_tokens=None
-        ):
-            raise ConfigError("draft shapes evaluated side by side may differ only in chain length and tree")
+    """`evaluate` for several proposers (drafts, prompt lookup, chain lengths, trees) against one plain
+    baseline: each batch is decoded plainly once and once per proposer, the order rotating from batch to batch.
+    Their settings may differ only in the chain length and the tree; every result carries the same plain runs."""
+    settings = proposers[0][1]
+
+    def shared(s: EvalSettings) -> EvalSettings:
+        return replace(s, num_draft_tokens=1, tree_depth=None, tree_top_k=None, tree_total_tokens=None)
+
+    if any(shared(s) != shared(settings) for _, s in proposers):
+        raise ConfigError("proposers measured side by side may differ only in chain length and tree")
     sampling = settings.temperature > 0
-    if draft is None:
-        for shape in shapes:
-            require_lookup_settings(shape)
-    ngram_sizes = None if sampling or draft is None else (settings.ngram_min, settings.ngram_max)
-    chain_lengths = [shape.tree.depth if shape.tree else shape.num_draft_tokens for shape in shapes]
-    speculative = [decoders(target, draft, shape)[0] for shape in shapes]
-    plain = decoders(target, draft, settings)[1]
-    # the plain decoder last, so that one shape alternates with it as (spec, plain), (plain, spec), ...
+    for draft, s in proposers:
+        if draft is None:
+            require_lookup_settings(s)
+    speculative = [decoders(target, draft, s)[0] for draft, s in proposers]
+    plain = decoders(target, proposers[0][0], settings)[1]
+    # the plain decoder last, so that one proposer alternates with it as (spec, plain), (plain, spec), ...
     everyone = [*speculative, plain]
     size = settings.batch_size
     batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
@@ -421,11 +420,18 @@ def evaluate_shapes(
         seed = random.Random(f"eval/{settings.seed}/{batch[0].id}").getrandbits(63)
         return torch.Generator(device=target.device).manual_seed(seed)
 
+    def row(proposer: Proposer, prompt: EvalPrompt, spec: list[Turn], greedy: list[Turn]) -> PromptResult:
+        draft, s = proposer
+        ngram_sizes = None if sampling or draft is None else (s.ngram_min, s.ngram_max)
+        return prompt_result(
+            prompt, spec, greedy, not sampling, ngram_sizes, s.tree.depth if s.tree else s.num_draft_tokens
+        )
+
     for batch in batches[: settings.warmup_prompts]:
         for decode in everyone:
             run_conversations(target, decode, [p.turns[:1] for p in batch], WARMUP_TOKENS, sampler(batch))
 
-    rows: list[list[PromptResult]] = [[] for _ in shapes]
+    rows: list[list[PromptResult]] = [[] for _ in proposers]
     progress = tqdm(total=len(prompts), desc=" / ".join(names), unit="prompt", dynamic_ncols=True)
     for index, batch in enumerate(batches):
         turns = [p.turns[:1] if settings.first_turns else p.turns for p in batch]
@@ -433,17 +439,17 @@ def evaluate_shapes(
         for which in range(index, index + len(everyone)):
             which %= len(everyone)
             runs[which] = run_conversations(target, everyone[which], turns, settings.max_new_tokens, sampler(batch))
-        for s, chain_length in enumerate(chain_lengths):
-            for prompt, spec, greedy in zip(batch, runs[s], runs[len(shapes)]):
-                rows[s].append(prompt_result(prompt, spec, greedy, not sampling, ngram_sizes, chain_length))
-        so_far = [summarize(name, shape_rows) for name, shape_rows in zip(names, rows)]
+        for p, proposer in enumerate(proposers):
+            for prompt, spec, greedy in zip(batch, runs[p], runs[len(proposers)]):
+                rows[p].append(row(proposer, prompt, spec, greedy))
+        so_far = [summarize(name, proposer_rows) for name, proposer_rows in zip(names, rows)]
         progress.update(len(batch))
         progress.set_postfix(
             tau="/".join(f"{r.acceptance_length or 0:.2f}" for r in so_far),
             speedup="/".join(f"{r.speedup or 0:.2f}" for r in so_far),
         )
     progress.close()
-    return [summarize(name, shape_rows) for name, shape_rows in zip(names, rows)]
+    return [summarize(name, proposer_rows) for name, proposer_rows in zip(names, rows)]
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -471,6 +477,19 @@ def load_models(
     )
     require_fit(config, directory, model, target)
     return model, load_draft(directory, model)
+
+
+def another_draft(directory: Path, target: TargetModel, target_name: str, first: Path) -> Eagle3Draft:
+    """A draft measured beside `first` on the target `load_models` loaded for that one: it must read the same
+    target layers."""
+    config = read_draft_config(directory)
+    if list(config.aux_layer_ids) != list(target.aux_layer_ids):
+        raise ConfigError(
+            f"{directory}: trained on the target's layers {list(config.aux_layer_ids)}, {first} on "
+            f"{list(target.aux_layer_ids)}; drafts measured side by side must read the same layers"
+        )
+    require_fit(config, directory, target, target_name)
+    return load_draft(directory, target)
 
 
 def read_draft_config(directory: Path) -> DraftConfig:
