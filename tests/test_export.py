@@ -1,6 +1,7 @@
 """Exports in every format: round trips on tiny random drafts, each engine's names and fields, refusals, and
 strict reading of corrupted exports."""
 
+import dataclasses
 import json
 
 import pytest
@@ -324,3 +325,11 @@ def test_model_card_names_the_base_model_and_its_license(tmp_path):
     card = (hub / "README.md").read_text()
     assert "Not recorded with this export" in card  # no training run behind a draft built in memory
     assert f"--model org/model --speculative-algorithm EAGLE3 --speculative-draft-model-path {hub}" in card
+
+    # Published: the card names the repository and the target's hub origin, not this machine's paths.
+    published = dataclasses.replace(FP32, repo_id="me/smollm2-draft")
+    card = (export(embedded, tmp_path / "published", settings=published) / "README.md").read_text()
+    assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config" in card
+    assert '"model": "me/smollm2-draft"' in card and str(tmp_path) not in card
+    with pytest.raises(ExportError, match="repo_id: expected a hub repository id ORG/NAME, got 'my draft'"):
+        dataclasses.replace(FP32, repo_id="my draft")

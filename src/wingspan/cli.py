@@ -643,6 +643,13 @@ def export(
         Path | None,
         typer.Option("--eval", help="A `wingspan eval` results.json: its figures go into the model card."),
     ] = None,
+    repo_id: Annotated[
+        str | None,
+        typer.Option(
+            help="The hub repository (ORG/NAME) the export will be published as: the model card's serve command names "
+            "it, and the target's hub id where known, instead of this machine's paths."
+        ),
+    ] = None,
 ) -> None:
     """Export a draft for a serving engine, verified by reading it back, with a model card (README.md: the draft,
     its training run when DRAFT is a run's draft or checkpoint, --eval's figures, the serve command). Prints the
@@ -657,7 +664,7 @@ def export(
     )
 
     format_named(format)
-    settings = ExportSettings(dtype=dtype, verifier=target, speculative_tokens=num_speculative_tokens)
+    settings = ExportSettings(dtype=dtype, verifier=target, speculative_tokens=num_speculative_tokens, repo_id=repo_id)
     provenance = provenance_of(draft, eval_results)
     written = export_draft(load_any_draft(draft), out, format, settings, provenance)
     typer.echo(f"wrote {written}\nserve it:  {serve_command(written, settings)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from wingspan.config import DraftConfig, TargetIdentity, from_dict, to_dict
 from wingspan.dtypes import DtypeName, torch_dtype
 from wingspan.errors import ConfigError, ExportError
-from wingspan.export.card import CARD, Provenance, model_card
+from wingspan.export.card import CARD, Provenance, model_card, target_facts
 from wingspan.files import atomic_directory
 from wingspan.models.draft import WEIGHTS, Eagle3Draft, new_kv_caches
 from wingspan.models.families import FAMILIES
@@ -41,6 +41,15 @@ class ExportSettings:
     # draft tokens per step a speculators config proposes and serve commands use; None: a parallel draft's trained
     # count, else 3 (vLLM's default)
     speculative_tokens: int | None = None
+    # the hub repository the export will be published as: the model card's serve command then names it and the
+    # target's hub id (where known) instead of this machine's paths
+    repo_id: str | None = None
+
+    def __post_init__(self) -> None:
+        from wingspan.models.registry import HUB_ID
+
+        if self.repo_id is not None and not HUB_ID.match(self.repo_id):
+            raise ExportError(f"repo_id: expected a hub repository id ORG/NAME, got {self.repo_id!r}")
 
 
 @dataclass(frozen=True)
@@ -341,9 +350,21 @@ def write_export(
     with atomic_directory(out_dir) as tmp:
         fmt.write(draft, tmp, settings)
         verify(fmt, draft, tmp, torch_dtype(settings.dtype))
-        serve = fmt.serve(draft.config, out_dir.resolve(), settings)
-        (tmp / CARD).write_text(model_card(draft.config, fmt.engines, serve, provenance or Provenance()))
+        (tmp / CARD).write_text(
+            model_card(
+                draft.config, fmt.engines, card_serve(fmt, draft.config, out_dir, settings), provenance or Provenance()
+            )
+        )
     return out_dir
+
+
+def card_serve(fmt: Format, config: DraftConfig, out_dir: Path, settings: ExportSettings) -> str:
+    """The model card's serve command: this machine's paths, or with a `repo_id` the published names (the
+    repository, and the target's hub id where it is known)."""
+    if settings.repo_id is None:
+        return fmt.serve(config, out_dir.resolve(), settings)
+    base_model = target_facts(config)[0]
+    return fmt.serve(config, Path(settings.repo_id), replace(settings, verifier=settings.verifier or base_model))
 
 
 def save_export(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
