@@ -7,7 +7,7 @@ prompt set is generated on its own (greedy, batch 1), timed, and vLLM's spec-dec
 and after it. The run without a draft is repeated last, so that drift of the machine's speed shows.
 
     .venv-vllm/bin/python bench/vllm_proposers.py --target ~/.cache/wingspan/models/smollm2-135m-instruct \
-        --set mt_bench=src/wingspan/eval/data/mt_bench.jsonl --set gsm8k=src/wingspan/eval/data/gsm8k.jsonl \
+        --set mt_bench=src/wingspan/eval/data/mt_bench.jsonl --set gsm8k=src/wingspan/eval/data/gsm8k_80.jsonl \
         --limit 20 --proposer none --proposer ngram:3 --proposer eagle3:runs/quickstart/vllm-draft:1 \
         --out runs/proposers.json
 
@@ -192,7 +192,11 @@ def main() -> None:
     nones = [i for i in order if args.proposer[i] == "none"]
     if not nones:
         raise SystemExit("--proposer none is needed: speedups are measured against it")
-    runs = [run_one(i, argv) for i in order] + [run_one(nones[0], argv)]  # no draft again, last: drift
+    runs = []
+    for i in [*order, nones[0]]:  # no draft again, last: drift
+        runs.append(run_one(i, argv))
+        if args.out:  # after each engine: a run stopped later keeps what it measured
+            Path(args.out).write_text(json.dumps({"settings": vars(args), "runs": runs}, indent=1))
     baseline = runs[nones[0]]
     sets = [name for name, _ in args.set]
     table = [
