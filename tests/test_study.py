@@ -109,6 +109,12 @@ def test_config_errors_name_the_field(tmp_path):
         StudyConfig(**good, train={"ttt_stepz": 3})
     with pytest.raises(ConfigError, match="tree"):
         StudyConfig(**good, tree=[2, 4, 64])  # 64 nodes cannot fit a depth-2, top-4 tree
+    with pytest.raises(ConfigError, match=r"modes: distinct values among \['chain', 'parallel'\]"):
+        StudyConfig(**good, modes=["tree"])
+    with pytest.raises(ConfigError, match=r"draft_mode.*set by the study"):
+        StudyConfig(**good, train={"draft_mode": "parallel"})
+    with pytest.raises(ConfigError, match="a parallel draft drafts at least 2 tokens per forward"):
+        StudyConfig(**good, modes=["parallel"], num_draft_tokens=1)
 
 
 def test_a_study_directory_refuses_a_different_study_but_grows(tmp_path):
@@ -125,6 +131,15 @@ def test_grid_trains_depth_one_once():
     config = StudyConfig(data=["a.jsonl"], budget_tokens=1000, layers=[3, 1, 2], injection=["first", "all"])
     assert [s.name for s in config.settings()] == ["D1", "D2-first", "D2-all", "D3-first", "D3-all"]
     assert all(s.in_series("all") for s in config.settings() if s.name in ("D1", "D2-all", "D3-all"))
+    both = StudyConfig(
+        data=["a.jsonl"], budget_tokens=1000, layers=[1, 2], injection=["first"], modes=["chain", "parallel"]
+    )
+    assert [(s.name, s.mode, s.decoders) for s in both.settings()] == [
+        ("D1", "chain", ("chain", "tree")),
+        ("D2-first", "chain", ("chain", "tree")),
+        ("P-D1", "parallel", ("parallel",)),
+        ("P-D2-first", "parallel", ("parallel",)),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ a whole study
@@ -209,6 +224,29 @@ def test_every_setting_trains_on_the_same_budget_and_is_evaluated(tiny_study):
     assert len(prompt_ids["D1"]) == 2 and prompt_ids["D1"] == prompt_ids["D2-all"]  # paired by prompt
     for png in ("tau_vs_depth.png", "speedup_vs_depth.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_study_of_chain_and_parallel_drafts(tiny_study, tmp_path):
+    """Parallel settings train P-EAGLE drafts of the chain's K (the shared chain unroll left to chain drafts),
+    are measured by their own decoder, and the report sets each against the chain draft of its shape."""
+    config, _ = tiny_study
+    both = StudyConfig(**{**config.__dict__, "layers": [1], "injection": ["first"], "modes": ["chain", "parallel"]})
+    run_study(both, tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    by_name = {s["name"]: s for s in results["settings"]}
+    assert list(by_name) == ["D1", "P-D1"] and by_name["P-D1"]["mode"] == "parallel"
+    run = json.loads((tmp_path / "settings/P-D1/run/config.json").read_text())
+    assert (run["draft_mode"], run["num_parallel_tokens"], run["ttt_steps"]) == ("parallel", 3, 7)
+    assert json.loads((tmp_path / "settings/D1/run/config.json").read_text())["ttt_steps"] == 2
+    parallel = by_name["P-D1"]["eval"]
+    assert list(parallel) == ["parallel"] and list(by_name["D1"]["eval"]) == ["chain", "tree"]
+    counting = parallel["parallel"]["counting"]
+    assert counting["outputs_differing"] == 0 and len(counting["acceptance_per_position"]) == 3
+    report = (tmp_path / "report.md").read_text()
+    assert "## Acceptance length and speedup: parallel, 3 drafts from one forward" in report
+    tau = counting["acceptance_length"]
+    assert f"- P-D1 vs D1: 3 drafts per round, tau {tau:.3f} from one forward" in report
+    assert "parallel - chain 95% paired CI [" in report
 
 
 def test_rerun_retrains_and_reevaluates_nothing_and_extends_the_grid(tiny_study, monkeypatch):

@@ -762,20 +762,29 @@ def study_layers(
     target: TargetOption = "smollm2-135m-instruct",
     layers: Annotated[str, typer.Option(help="Draft depths D, comma-separated.")] = "1,2,3,4,6",
     injection: Annotated[str, typer.Option(help="Embedding injection modes: first, all or both.")] = "first,all",
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="Drafting modes: chain (measured with the chain and the tree decoder), parallel (P-EAGLE drafts of "
+            "--num-draft-tokens per forward, settings named P-...) or both."
+        ),
+    ] = "chain",
     sets: Annotated[str, typer.Option(help="Prompt sets, as for `wingspan eval --sets`.")] = "mt_bench,gsm8k,humaneval",
     limit: Annotated[int | None, typer.Option(min=1, help="Prompts per set.")] = 10,
     all_turns: Annotated[
         bool, typer.Option(help="Ask every turn of multi-turn prompts (default: first turns).")
     ] = False,
-    num_draft_tokens: Annotated[int, typer.Option(min=1, help="Drafts per round of the chain decoder.")] = 3,
+    num_draft_tokens: Annotated[
+        int, typer.Option(min=1, help="Drafts per round of the chain decoder (and of a parallel draft's forward).")
+    ] = 3,
     tree: Annotated[str, typer.Option(help="The tree decoder: DEPTH,TOPK,TOTAL.")] = "4,4,16",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Cap on each reply.")] = 256,
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
     tracker: TrackerOption = "",
 ) -> None:
-    """Train one draft per (depth, injection) under the same data, budget, schedule and seed from one shared
-    hidden-state dump, evaluate each with the chain and the tree decoder, fit tau = a + b ln D, and write
+    """Train one draft per (depth, injection, mode) under the same data, budget, schedule and seed from one shared
+    hidden-state dump, evaluate each with its decoders, fit tau = a + b ln D, and write
     results.json, report.md and plots. Extra `key=value` arguments are training fields shared by every setting
     (e.g. lr=1e-3 ttt_steps=4 draft_vocab_size=8192). Resumable; see docs/study.md."""
     from wingspan.plots import require_matplotlib
@@ -792,6 +801,7 @@ def study_layers(
             budget_tokens=budget_tokens,
             layers=parse_ints(layers, "--layers"),
             injection=[m.strip() for m in injection.split(",") if m.strip()],
+            modes=[m.strip() for m in mode.split(",") if m.strip()],
             sets=[s.strip() for s in sets.split(",") if s.strip()],
             limit=limit,
             first_turn_only=not all_turns,

@@ -11,7 +11,9 @@ from wingspan.errors import ConfigError
 from wingspan.eval.runner import EvalSettings
 
 INJECTIONS = ("first", "all")
-DECODERS = ("chain", "tree")
+# How a setting's draft drafts (`draft_mode`), and the decoders that measure it: a chain draft with the chain
+# and the tree decoder, a parallel draft with its own (the chain's K drafts from one forward).
+DECODERS_OF_MODE = {"chain": ("chain", "tree"), "parallel": ("parallel",)}
 # Fields the study sets per setting; a shared training config must leave them to it.
 PER_SETTING_FIELDS = (
     "data",
@@ -20,12 +22,14 @@ PER_SETTING_FIELDS = (
     "output_dir",
     "num_hidden_layers",
     "embed_injection",
+    "draft_mode",
+    "num_parallel_tokens",
     "epochs",
     "max_steps",
     "target",
 )
 # A re-run may extend these; everything else must equal the saved study.json.
-EXTENSIBLE_FIELDS = ("layers", "injection", "sets")
+EXTENSIBLE_FIELDS = ("layers", "injection", "modes", "sets")
 
 
 @dataclass
@@ -37,6 +41,8 @@ class StudyConfig:
     target: str = "smollm2-135m-instruct"
     layers: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
     injection: list[str] = field(default_factory=lambda: ["first", "all"])
+    # chain drafts, and/or parallel ones drafting num_draft_tokens per forward (their settings are named P-...)
+    modes: list[str] = field(default_factory=lambda: ["chain"])
     sets: list[str] = field(default_factory=lambda: ["mt_bench", "gsm8k", "humaneval"])  # `wingspan eval --sets`
     limit: int | None = 10  # prompts per set
     first_turn_only: bool = True  # the reference figures are first turns
@@ -58,6 +64,10 @@ class StudyConfig:
             or len(set(self.injection)) != len(self.injection)
         ):
             raise ConfigError(f"injection: distinct values among {list(INJECTIONS)} expected, got {self.injection}")
+        if not self.modes or not set(self.modes) <= set(DECODERS_OF_MODE) or len(set(self.modes)) != len(self.modes):
+            raise ConfigError(f"modes: distinct values among {list(DECODERS_OF_MODE)} expected, got {self.modes}")
+        if "parallel" in self.modes and self.num_draft_tokens < 2:
+            raise ConfigError("num_draft_tokens: a parallel draft drafts at least 2 tokens per forward, got 1")
         if not self.sets:
             raise ConfigError("sets: at least one prompt set is needed")
         if len(self.tree) != 3:
@@ -65,16 +75,15 @@ class StudyConfig:
         taken = sorted(set(self.train) & set(PER_SETTING_FIELDS))
         if taken:
             raise ConfigError(f"train: {taken} are set by the study itself for each setting; remove them")
-        if self.base_train_config().draft_mode == "parallel":  # invalid training fields fail here, before any run
-            raise ConfigError(
-                "train: draft_mode parallel: the study evaluates every draft with the chain and the tree decoder, "
-                "and a parallel draft has only its own (a parallel study mode is not there yet)"
-            )
-        for decoder in DECODERS:
+        self.base_train_config()  # invalid training fields fail here, before any run
+        for decoder in self.decoders():
             self.eval_settings(decoder)
 
     def base_train_config(self) -> TrainConfig:
         return from_dict(TrainConfig, {"target": self.target, "data": self.data, **self.train}, where="train")
+
+    def decoders(self) -> list[str]:
+        return [decoder for mode in self.modes for decoder in DECODERS_OF_MODE[mode]]
 
     def eval_settings(self, decoder: str) -> EvalSettings:
         tree = dict(zip(("tree_depth", "tree_top_k", "tree_total_tokens"), self.tree)) if decoder == "tree" else {}
@@ -91,11 +100,13 @@ class StudyConfig:
 
     def settings(self) -> list[Setting]:
         grid = []
-        for depth in sorted(self.layers):
-            if depth == 1:
-                grid.append(Setting("D1", 1, "first"))
-                continue
-            grid += [Setting(f"D{depth}-{mode}", depth, mode) for mode in self.injection]
+        for mode in self.modes:
+            prefix = "P-" if mode == "parallel" else ""
+            for depth in sorted(self.layers):
+                if depth == 1:
+                    grid.append(Setting(f"{prefix}D1", 1, "first", mode))
+                    continue
+                grid += [Setting(f"{prefix}D{depth}-{inject}", depth, inject, mode) for inject in self.injection]
         return grid
 
 
@@ -104,9 +115,14 @@ class Setting:
     name: str
     layers: int
     injection: str
+    mode: str = "chain"
 
     def in_series(self, injection: str) -> bool:
         return self.injection == injection or self.layers == 1
+
+    @property
+    def decoders(self) -> tuple[str, ...]:
+        return DECODERS_OF_MODE[self.mode]
 
 
 @dataclass
@@ -125,7 +141,8 @@ class SettingResult:
     draft_cost: dict[str, float | None]
     # decoder -> set -> (prompt id, rounds, accepted drafts) per prompt: what the bootstrap intervals resample
     prompts: dict[str, dict[str, list[tuple[str, int, int]]]]
+    mode: str = "chain"
 
     @property
     def setting(self) -> Setting:
-        return Setting(self.name, self.layers, self.injection)
+        return Setting(self.name, self.layers, self.injection, self.mode)

@@ -1,5 +1,6 @@
-"""The layer-scaling study: one draft per (depth D, embedding injection) under the same data, token budget,
-schedule and seed, each evaluated with the chain and the tree decoder; then a log-linear fit and a report.
+"""The layer-scaling study: one draft per (depth D, embedding injection, drafting mode) under the same data,
+token budget, schedule and seed, each evaluated with its decoders (a chain draft with the chain and the tree
+decoder, a parallel one with its own); then a log-linear fit and a report.
 
 Layout of the output directory (every stage skips what it finds done, so re-running continues):
 
@@ -11,7 +12,7 @@ Layout of the output directory (every stage skips what it finds done, so re-runn
     results.json, report.md, tau_vs_depth.png, speedup_vs_depth.png   (wingspan.study.report)
 
 With D = 1 both injection modes are the same model (layer 0 always reads the embeddings), so the grid
-trains it once, as setting "D1", and both series start from it.
+trains it once, as setting "D1" (a parallel draft: "P-D1"), and both series start from it.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from wingspan.config import TrainConfig, from_dict, read_mapping, save_json, to_dict
+from wingspan.config import TTT_STEPS_DEFAULT, TrainConfig, from_dict, read_mapping, save_json, to_dict
 from wingspan.errors import ConfigError
 from wingspan.eval.prompts import EvalPrompt, load_prompt_sets
 from wingspan.eval.runner import evaluate, load_draft
 from wingspan.files import write_text_atomically
 from wingspan.models.draft import Eagle3Draft
-from wingspan.study.config import DECODERS, EXTENSIBLE_FIELDS, Setting, SettingResult, StudyConfig
+from wingspan.study.config import EXTENSIBLE_FIELDS, Setting, SettingResult, StudyConfig
 from wingspan.study.report import write_study_report
 from wingspan.trackers import TrackerName, Trackers
 
@@ -75,8 +76,9 @@ def prepare_shared(config: StudyConfig, out: Path, target):
 def setting_train_config(
     config: StudyConfig, setting: Setting, out: Path, vocab_path: Path, dump_dir: Path, dump_tokens: int
 ) -> TrainConfig:
-    """The shared training config with this setting's depth and injection; the budget becomes epochs of the
-    dump, so every setting sees the same tokens in the same order."""
+    """The shared training config with this setting's depth, injection and mode (a parallel draft trained for
+    the chain's drafts per round); the budget becomes epochs of the dump, so every setting sees the same tokens
+    in the same order."""
     fields = {
         **to_dict(config.base_train_config()),
         "from_dump": str(dump_dir),
@@ -86,6 +88,13 @@ def setting_train_config(
         "embed_injection": setting.injection,
         "epochs": config.budget_tokens / dump_tokens,
     }
+    if setting.mode == "parallel":
+        # ttt_steps is the chain's unroll: a parallel draft trains its num_parallel_tokens predictions instead
+        fields |= {
+            "draft_mode": "parallel",
+            "num_parallel_tokens": config.num_draft_tokens,
+            "ttt_steps": TTT_STEPS_DEFAULT,
+        }
     return from_dict(TrainConfig, fields, where=setting.name)
 
 
@@ -106,9 +115,10 @@ def train_setting(config: TrainConfig, target) -> Path:
 def evaluate_setting(
     config: StudyConfig, setting: Setting, draft_dir: Path, target, prompt_sets: dict[str, list[EvalPrompt]], out: Path
 ) -> None:
-    """Every decoder on every prompt set; a (decoder, set) with a result on disk is not measured again."""
+    """Each of the setting's decoders on every prompt set; a (decoder, set) with a result on disk is not
+    measured again."""
     draft = None
-    for decoder in DECODERS:
+    for decoder in setting.decoders:
         settings = config.eval_settings(decoder)
         for name, prompts in prompt_sets.items():
             path = setting_dir(out, setting) / "eval" / decoder / f"{name}.json"
@@ -140,7 +150,7 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
         evals: dict[str, dict[str, dict[str, Any]]] = {}
         cost: dict[str, float | None] = {}
         prompts: dict[str, dict[str, list[tuple[str, int, int]]]] = {}
-        for decoder in DECODERS:
+        for decoder in setting.decoders:
             results = {}
             for name in prompt_sets:
                 path = directory / "eval" / decoder / f"{name}.json"
@@ -163,6 +173,7 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
                 evals,
                 cost,
                 prompts,
+                setting.mode,
             )
         )
     return rows
@@ -208,7 +219,10 @@ def run_study(
     )
     grid = config.settings()
     for index, setting in enumerate(grid, start=1):
-        print(f"[{index}/{len(grid)}] {setting.name}: {setting.layers} layer(s), embeddings into {setting.injection}")
+        print(
+            f"[{index}/{len(grid)}] {setting.name}: {setting.layers} layer(s), embeddings into {setting.injection}, "
+            f"{setting.mode} drafting"
+        )
         draft_dir = train_setting(setting_train_config(config, setting, out, vocab_path, dump_dir, dump_tokens), target)
         evaluate_setting(config, setting, draft_dir, target, prompt_sets, out)
         write_study_report(config, out, collect(config, out, list(prompt_sets)))
@@ -222,9 +236,9 @@ def run_study(
 def study_table(rows: list[SettingResult]) -> tuple[list[str], list[list]]:
     """(columns, rows) of the study for a tracker: each setting's shape and its tau per decoder and set."""
     measured = list(dict.fromkeys((d, name) for r in rows for d, sets in r.eval.items() for name in sets))
-    columns = ["setting", "layers", "injection", "parameters"] + [f"{d}/{name}/tau" for d, name in measured]
+    columns = ["setting", "layers", "injection", "mode", "parameters"] + [f"{d}/{name}/tau" for d, name in measured]
     table = [
-        [r.name, r.layers, r.injection, r.parameters]
+        [r.name, r.layers, r.injection, r.mode, r.parameters]
         + [r.eval.get(d, {}).get(name, {}).get("acceptance_length") for d, name in measured]
         for r in rows
     ]

@@ -19,7 +19,7 @@ from typing import Any
 from wingspan.config import to_dict
 from wingspan.files import write_text_atomically
 from wingspan.plots import agg_figure, save_png
-from wingspan.study.config import DECODERS, SettingResult, StudyConfig
+from wingspan.study.config import SettingResult, StudyConfig
 from wingspan.study.fit import LogFit, bootstrap_interval, fit_log_linear, log_slope, prompts_tau
 
 POOLED = "all sets"
@@ -73,9 +73,9 @@ def tau_interval(row: SettingResult, decoder: str) -> tuple[float, float] | None
     return bootstrap_interval(strata, prompts_tau) if strata else None
 
 
-def paired_prompts(settings: list[SettingResult], decoder: str, set_names: list[str]):
-    """Each setting's (rounds, accepted) by (set, prompt id), and the keys they all share, one stratum per set:
-    what a paired bootstrap resamples, so that every setting is measured on the same prompts."""
+def paired_prompts(measured: list[tuple[SettingResult, str]], set_names: list[str]):
+    """Each (setting, decoder)'s (rounds, accepted) by (set, prompt id), and the keys they all share, one stratum
+    per set: what a paired bootstrap resamples, so that every one is measured on the same prompts."""
     per_setting = [
         {
             (name, prompt_id): (rounds, accepted)
@@ -83,7 +83,7 @@ def paired_prompts(settings: list[SettingResult], decoder: str, set_names: list[
             if name in set_names
             for prompt_id, rounds, accepted in prompts
         }
-        for r in settings
+        for r, decoder in measured
     ]
     shared = set.intersection(*(set(p) for p in per_setting))
     strata = [[key for key in sorted(shared) if key[0] == name] for name in set_names]
@@ -91,10 +91,11 @@ def paired_prompts(settings: list[SettingResult], decoder: str, set_names: list[
 
 
 def difference_interval(
-    first: SettingResult, every: SettingResult, decoder: str, set_names: list[str]
+    one: tuple[SettingResult, str], other: tuple[SettingResult, str], set_names: list[str]
 ) -> tuple[float, float] | None:
-    """95% paired bootstrap interval of tau(first) - tau(all): each resample draws the same prompts for both."""
-    (a, b), strata = paired_prompts([first, every], decoder, set_names)
+    """95% paired bootstrap interval of tau(one) - tau(other), each a setting measured by a decoder: every
+    resample draws the same prompts for both."""
+    (a, b), strata = paired_prompts([one, other], set_names)
     if not strata:
         return None
     return bootstrap_interval(
@@ -105,7 +106,7 @@ def difference_interval(
 def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -> list[FitRow]:
     """tau = a + b ln D per decoder, injection series and prompt set (and pooled), where two depths or more exist."""
     out = []
-    for decoder in DECODERS:
+    for decoder in config.decoders():
         for injection in config.injection:
             for prompt_set in [*set_names, POOLED]:
                 series = [
@@ -131,7 +132,7 @@ def fits(config: StudyConfig, rows: list[SettingResult], set_names: list[str]) -
 
 def slope_interval(series: list[SettingResult], decoder: str, set_names: list[str]) -> tuple[float, float] | None:
     """95% prompt-bootstrap interval of b: each resample draws the same prompts for every depth and refits."""
-    per_setting, strata = paired_prompts(series, decoder, set_names)
+    per_setting, strata = paired_prompts([(r, decoder) for r in series], set_names)
     if not strata:
         return None
     depths = [r.layers for r in series]
@@ -177,13 +178,17 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
         "plain-decoded token",
         "",
     ]
-    for decoder in DECODERS:
-        title = f"chain of {config.num_draft_tokens}" if decoder == "chain" else tree
-        lines += [f"## Acceptance length and speedup: {title}", ""]
+    titles = {
+        "chain": f"chain of {config.num_draft_tokens}",
+        "tree": tree,
+        "parallel": f"parallel, {config.num_draft_tokens} drafts from one forward",
+    }
+    for decoder in config.decoders():
+        lines += [f"## Acceptance length and speedup: {titles[decoder]}", ""]
         header = ["setting", "D", "injection", "parameters", "draft cost", *set_names, POOLED, "95% CI", "speedup"]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for r in rows:
-            sets = r.eval.get(decoder, {})
+        for r in (r for r in rows if decoder in r.eval):
+            sets = r.eval[decoder]
             cells = [
                 r.name,
                 str(r.layers),
@@ -198,7 +203,7 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += [
-        "## Acceptance per draft position (chain, pooled over sets)",
+        "## Acceptance per draft position (chain or parallel, pooled over sets)",
         "",
         "| setting | " + " | ".join(f"position {j}" for j in range(config.num_draft_tokens)) + " |",
         "|---|" + "---|" * config.num_draft_tokens,
@@ -224,6 +229,7 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
     lines += ["", "## What the fits say (pooled over sets)", ""]
     lines += [verdict(f) for f in fit_rows if f.prompt_set == POOLED]
     lines += injection_verdicts(rows, set_names)
+    lines += mode_verdicts(rows, set_names, config.num_draft_tokens)
     lines += [
         "",
         "## Training",
@@ -251,8 +257,9 @@ def steps(rows: list[SettingResult]) -> int:
 
 
 def pooled_positions(row: SettingResult, positions: int) -> list[float | None]:
-    """Acceptance per chain position, pooled over sets by the rounds that proposed it."""
-    sets = row.eval.get("chain", {}).values()
+    """Acceptance per draft position of the setting's chain (or parallel) decoder, pooled over sets by the rounds
+    that proposed it."""
+    sets = row.eval.get(row.setting.decoders[0], {}).values()
     rates = []
     for j in range(positions):
         weighted = [
@@ -285,28 +292,56 @@ def verdict(f: FitRow) -> str:
 
 
 def injection_verdicts(rows: list[SettingResult], set_names: list[str]) -> list[str]:
-    """first vs all at each depth where both exist: the pooled chain tau difference and whether the prompt
-    sample can tell them apart."""
-    by_key = {(r.layers, r.injection): r for r in rows}
+    """first vs all at each depth (and drafting mode) where both exist: the pooled tau difference of the chain
+    (or parallel) decoder and whether the prompt sample can tell them apart."""
+    by_key = {(r.mode, r.layers, r.injection): r for r in rows}
     lines = []
-    for depth in sorted({r.layers for r in rows if r.layers > 1}):
-        first, every = by_key.get((depth, "first")), by_key.get((depth, "all"))
+    for mode, depth in sorted({(r.mode, r.layers) for r in rows if r.layers > 1}):
+        first, every = by_key.get((mode, depth, "first")), by_key.get((mode, depth, "all"))
         if not first or not every:
             continue
-        a, b = pooled_tau(first, "chain"), pooled_tau(every, "chain")
+        decoder = first.setting.decoders[0]
+        a, b = pooled_tau(first, decoder), pooled_tau(every, decoder)
         if a is None or b is None:
             continue
         line = (
-            f"- D = {depth}: chain tau {a:.3f} with embeddings into the first layer, {b:.3f} into all "
-            f"({'first' if a > b else 'all'} ahead by {abs(a - b):.3f}"
+            f"- D = {depth}, {mode} drafts: {decoder} tau {a:.3f} with embeddings into the first layer, {b:.3f} into "
+            f"all ({'first' if a > b else 'all'} ahead by {abs(a - b):.3f}"
         )
-        interval = difference_interval(first, every, "chain", set_names)
-        if interval is not None:
-            low, high = interval
-            meaning = "within the sampling noise" if low <= 0 <= high else "larger than the sampling noise"
-            line += f"; first - all 95% paired CI [{low:+.3f}, {high:+.3f}], {meaning}"
-        lines.append(line + ")")
+        lines.append(
+            line + paired_text(difference_interval((first, decoder), (every, decoder), set_names), "first - all") + ")"
+        )
     return lines
+
+
+def mode_verdicts(rows: list[SettingResult], set_names: list[str], k: int) -> list[str]:
+    """parallel vs chain drafting at each depth and injection where both exist: the same K drafts per round
+    from one forward or from K, their pooled tau and its paired difference."""
+    by_key = {(r.mode, r.layers, r.injection): r for r in rows}
+    lines = []
+    for depth, injection in sorted({(r.layers, r.injection) for r in rows}):
+        chain, parallel = by_key.get(("chain", depth, injection)), by_key.get(("parallel", depth, injection))
+        if not chain or not parallel:
+            continue
+        a, b = pooled_tau(parallel, "parallel"), pooled_tau(chain, "chain")
+        if a is None or b is None:
+            continue
+        interval = difference_interval((parallel, "parallel"), (chain, "chain"), set_names)
+        lines.append(
+            f"- {parallel.name} vs {chain.name}: {k} drafts per round, tau {a:.3f} from one forward, {b:.3f} from {k} "
+            f"({'parallel' if a > b else 'chain'} ahead by {abs(a - b):.3f}"
+            + paired_text(interval, "parallel - chain")
+            + ")"
+        )
+    return lines
+
+
+def paired_text(interval: tuple[float, float] | None, what: str) -> str:
+    if interval is None:
+        return ""
+    low, high = interval
+    meaning = "within the sampling noise" if low <= 0 <= high else "larger than the sampling noise"
+    return f"; {what} 95% paired CI [{low:+.3f}, {high:+.3f}], {meaning}"
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -317,12 +352,13 @@ def plot(
 ) -> None:
     styles = {"first": ("tab:blue", "o"), "all": ("tab:orange", "s")}
     figure = agg_figure(figsize=(11, 4.2))
-    axes = figure.subplots(1, len(DECODERS), sharey=True)
-    for axis, decoder in zip(axes, DECODERS):
+    decoders = config.decoders()
+    axes = figure.subplots(1, len(decoders), sharey=True, squeeze=False)[0]
+    for axis, decoder in zip(axes, decoders):
         for injection in config.injection:
             colour, marker = styles[injection]
-            series = sorted((r.layers, tau_of(r, decoder, POOLED)) for r in rows if r.setting.in_series(injection))
-            series = [(d, t) for d, t in series if t is not None]
+            series = [(r.layers, tau_of(r, decoder, POOLED)) for r in rows if r.setting.in_series(injection)]
+            series = sorted((d, t) for d, t in series if t is not None)
             if not series:
                 continue
             axis.plot(
@@ -346,19 +382,20 @@ def plot(
         axis.set_xlabel("draft decoder layers D (log scale)")
         axis.set_title(f"{decoder}: tau pooled over {', '.join(set_names)}", fontsize=9)
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+        if axis.get_legend_handles_labels()[0]:  # a decoder none of whose settings has finished has no lines yet
+            axis.legend(fontsize=7)
     axes[0].set_ylabel("acceptance length tau")
     save_png(figure, out / "tau_vs_depth.png")
 
     figure = agg_figure(figsize=(6.5, 4.2))
     axis = figure.add_subplot()
-    for decoder, linestyle in zip(DECODERS, ("-", ":")):
+    for decoder, linestyle in zip(decoders, ("-", ":", "--")):
         for injection in config.injection:
             colour, marker = styles[injection]
-            series = sorted(
+            series = [
                 (r.layers, pooled_speedup(r.eval.get(decoder, {}))) for r in rows if r.setting.in_series(injection)
-            )
-            series = [(d, s) for d, s in series if s is not None]
+            ]
+            series = sorted((d, s) for d, s in series if s is not None)
             if series:
                 axis.plot(
                     *zip(*series), marker=marker, color=colour, linestyle=linestyle, label=f"{decoder}, {injection}"
