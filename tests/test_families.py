@@ -3,6 +3,8 @@ shrunk, windows shortened to 8 tokens so that they bite): aux capture, packed fe
 the draft's RoPE and norm conventions, training logits equal chain logits, speculative decoding equal to greedy,
 export, and refusals."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_speculative import sharpen
@@ -15,7 +17,7 @@ from wingspan.data.vocab import build_draft_vocab
 from wingspan.decode.batched import plain_generate_batch, speculative_generate_batch
 from wingspan.decode.primitives import TreeShape
 from wingspan.decode.speculative import speculative_generate
-from wingspan.errors import ExportError, ModelError
+from wingspan.errors import ConfigError, ExportError, ModelError
 from wingspan.export import ExportSettings, export_draft, read_export
 from wingspan.export.core import draft_logits
 from wingspan.models.draft import new_kv_caches
@@ -261,6 +263,29 @@ def test_training_logits_equal_chain_logits(family):
                         hidden, ids[:, origin + j + 1 : origin + j + 2], torch.tensor([[origin + j]]), caches
                     )
                 torch.testing.assert_close(draft.logits(hidden)[:, -1], trained[j][:, origin], rtol=1e-5, atol=1e-5)
+
+
+def test_draft_layers_start_as_the_targets_last_layers_or_are_refused(family):
+    """init_layers_from_target: a 1-layer draft over the input of the target's last layer, started as that layer
+    (its embedding half at zero) with the target's final norm and lm_head rows, computes the target's own logits
+    over the draft vocab. Targets whose layers are not Llama layers are refused by name."""
+    name, target = family
+    records = random_records([40, 30])
+    vocab = build_draft_vocab(records, target.vocab_size, 300, always_include=target.eos_token_ids)
+    config = TrainConfig(num_hidden_layers=1, draft_vocab_size=300, init_layers_from_target=True)
+    if name not in ("llama3", "mistral"):
+        with pytest.raises(ConfigError, match="are not Llama layers"):
+            build_draft(target, config, vocab.d2t, vocab.t2d)
+        return
+    draft = build_draft(target, config, vocab.d2t, vocab.t2d).eval()
+    ids = torch.tensor([random_records([8])[0].input_ids])  # within the sliding families' 8-token window
+    with torch.no_grad():
+        out = target.forward(ids)
+        hidden = draft(draft.project_aux(out.aux_hidden), ids, torch.arange(8)[None], new_kv_caches(draft))
+        expected = out.logits[..., draft.draft_to_target(torch.arange(300))]
+        torch.testing.assert_close(draft.logits(hidden), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match="2 draft layers from target layer 3 .* pass the target's 4 layers"):
+        build_draft(target, dataclasses.replace(config, num_hidden_layers=2), vocab.d2t, vocab.t2d)
 
 
 def test_speculative_decoding_gives_the_greedy_tokens(family):

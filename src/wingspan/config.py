@@ -323,6 +323,9 @@ class TrainConfig:
     embed_injection: Literal["first", "all"] = "first"
     draft_vocab_size: int = 16384
     init_from_target: bool = True  # fc passes the last aux layer through; norm, lm_head from the target
+    # draft layer i starts as the target's layer (last aux id + i), the layer the last aux feature enters (a
+    # layer reading the embeddings too gets zeros for them); Llama-shaped target layers only
+    init_layers_from_target: bool = False
     # a wingspan draft directory (a run's draft, a checkpoint, `wingspan import`'s output) whose weights and
     # vocab the training starts from, with a fresh optimizer; its shape must be the run's
     init_from: str | None = None

@@ -122,7 +122,53 @@ def build_draft(target, config: TrainConfig, d2t: torch.Tensor, t2d: torch.Tenso
             draft.fc.weight[:, -hidden:] = torch.eye(hidden)
             draft.lm_head.weight.copy_(target.lm_head_weight()[draft.draft_to_target(torch.arange(d2t.numel()))])
             draft.norm.weight.copy_(target.norm_weight())
+        if config.init_layers_from_target:
+            copy_target_layers(draft, target)
     return draft
+
+
+# A Llama decoder layer's weights: what a draft layer computes, and all it can start from.
+LLAMA_LAYER = {
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    *(f"self_attn.{name}_proj.weight" for name in "qkvo"),
+    *(f"mlp.{name}_proj.weight" for name in ("gate", "up", "down")),
+}
+
+
+def copy_target_layers(draft: Eagle3Draft, target) -> None:
+    """Draft layer i <- target layer (last aux id + i): the layers the last aux feature goes through next. In a
+    layer that also reads the embeddings, the target's input norm and q/k/v act on the hidden-state half and
+    the embedding half of q/k/v starts at zero."""
+    first = max(target.aux_layer_ids)
+    depth = draft.config.num_hidden_layers
+    if first + depth > target.num_layers:
+        raise ConfigError(
+            f"init_layers_from_target: {depth} draft layers from target layer {first} (the last aux layer) pass "
+            f"the target's {target.num_layers} layers; use fewer layers or earlier aux_layer_ids"
+        )
+    hidden = draft.config.hidden_size
+    for index, layer in enumerate(draft.layers):
+        source = dict(target.layers[first + index].named_parameters())
+        if set(source) != LLAMA_LAYER or target.family.norm_offset:
+            raise ConfigError(
+                f"init_layers_from_target: the target's decoder layers ({target.config.model_type}) are not Llama "
+                f"layers (weights {sorted(set(source) ^ LLAMA_LAYER)}, norm offset {target.family.norm_offset}); "
+                "the draft's cannot start as them"
+            )
+        mine = dict(layer.named_parameters())
+        for name, weight in source.items():
+            if layer.takes_embeddings and name in (
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+            ):
+                mine[name].zero_()
+                mine[name][:, hidden:] = weight
+            elif layer.takes_embeddings and name == "input_layernorm.weight":
+                layer.hidden_norm.weight.copy_(weight)
+            else:
+                mine[name].copy_(weight)
 
 
 def start_from(draft: Eagle3Draft, directory: str) -> None:
