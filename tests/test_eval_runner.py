@@ -399,10 +399,10 @@ def test_cli_measures_prompt_lookup_and_proposers_side_by_side(tiny_llama_dir, t
     assert done.returncode == 0, done.stderr[-3000:]
     reports = {
         label: json.loads((tmp_path / "side" / label / "results.json").read_text())
-        for label in ("1-draft", "2-draft", "ngram")
+        for label in ("a-draft", "b-draft", "ngram")
     }
     assert (
-        reports["1-draft"]["draft"] == str(tmp_path / "a" / "draft") and reports["ngram"]["sets"][0]["lookup"] is None
+        reports["a-draft"]["draft"] == str(tmp_path / "a" / "draft") and reports["ngram"]["sets"][0]["lookup"] is None
     )
     sets = [report["sets"][0] for report in reports.values()]
     assert len({s["greedy_tokens_per_s"] for s in sets}) == 1  # one plain run

@@ -493,8 +493,12 @@ def evaluate_draft(
 
 def proposer_labels(drafts: list[Path], ngram: bool) -> list[str]:
     """Each proposer's name in a side-by-side eval (its results' directory): a draft's directory name (with its
-    place when two share a name), and `ngram`."""
-    labels = [d.resolve().name or "draft" for d in drafts] + (["ngram"] if ngram else [])
+    parent's when two share one, and its place if that is not enough), and `ngram`."""
+    paths = [d.resolve() for d in drafts]
+    labels = [p.name for p in paths]
+    if len(set(labels)) < len(labels):
+        labels = [f"{p.parent.name}-{p.name}" for p in paths]
+    labels += ["ngram"] if ngram else []
     return [f"{i}-{label}" if labels.count(label) > 1 else label for i, label in enumerate(labels, start=1)]
 
 
