@@ -55,6 +55,19 @@ def test_ctrl_c_stops_the_server_and_its_children(tmp_path):
     assert not alive(child)  # the server's child (vLLM's engine) went with it
 
 
+def test_a_server_started_where_ctrl_c_is_ignored_still_stops_on_it(tmp_path):
+    """A background job (`&`, nohup) inherits SIGINT ignored; the server must not, or the stop passed on to it
+    would be ignored until the grace ran out."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code, child, seconds = serve_and_stop(tmp_path, "obey", grace_s=30)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 0 and seconds < 10
+    time.sleep(0.2)
+    assert not alive(child)
+
+
 def test_a_server_that_ignores_the_stop_is_killed_after_the_grace(tmp_path):
     code, child, seconds = serve_and_stop(tmp_path, "ignore", grace_s=1)
     assert code == 128 + signal.SIGKILL and 1 <= seconds < 10

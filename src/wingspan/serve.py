@@ -58,7 +58,11 @@ def run_server(command: list[str], grace_s: float = 60.0) -> int:
     process group (vLLM's engine runs in child processes) as SIGINT; it gets `grace_s` to shut down, and a second
     signal or the end of the grace kills the group. Nothing of the group outlives this call. Returns 0 after a
     clean stop, 128 + 9 when it had to be killed, else the server's own exit status."""
-    process = subprocess.Popen(command, start_new_session=True)  # its own group: signals reach it from us only
+    # Its own group, so that signals reach it from us only; with SIGINT at its default even where ours is ignored
+    # (started in the background, by nohup or a supervisor), so that the stop we pass on is not ignored too.
+    process = subprocess.Popen(
+        command, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
     asked: list[float] = []  # when we passed a stop on
 
     def on_signal(signum, frame) -> None:
