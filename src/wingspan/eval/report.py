@@ -139,12 +139,13 @@ def comparison(
     proposers: dict[str, list[SetResult]], settings: EvalSettings, *, target: str, dtype: str, device: torch.device
 ) -> str:
     """results.md of a side-by-side eval: per set, one row per proposer, all against the same plain runs."""
-    columns = ("set", "proposer", "tau", "acceptance per position", "spec tok/s", "greedy tok/s", "speedup")
-    rows = [
-        [result.name, label, *(table_row(result)[i] for i in (2, 3, 5, 6, 7))]
-        for sets in zip(*proposers.values())
-        for label, result in zip(proposers, sets)
-    ]
+    figures = ("tau", "acceptance per position", "spec tok/s", "greedy tok/s", "speedup")  # of results.md's COLUMNS
+    columns = ("set", "proposer", *figures)
+    rows = []
+    for sets in zip(*proposers.values()):
+        for label, result in zip(proposers, sets):
+            cells = dict(zip(COLUMNS, table_row(result)))
+            rows.append([result.name, label, *(cells[column] for column in figures)])
     return "\n".join(
         [
             "# wingspan eval, side by side",

@@ -405,10 +405,9 @@ def evaluate_side_by_side(
     for draft, s in proposers:
         if draft is None:
             require_lookup_settings(s)
-    speculative = [decoders(target, draft, s)[0] for draft, s in proposers]
-    plain = decoders(target, proposers[0][0], settings)[1]
+    pairs = [decoders(target, draft, s) for draft, s in proposers]  # (speculative, plain) each
     # the plain decoder last, so that one proposer alternates with it as (spec, plain), (plain, spec), ...
-    everyone = [*speculative, plain]
+    everyone = [speculative for speculative, _ in pairs] + [pairs[0][1]]
     size = settings.batch_size
     batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
 
@@ -432,7 +431,7 @@ def evaluate_side_by_side(
             run_conversations(target, decode, [p.turns[:1] for p in batch], WARMUP_TOKENS, sampler(batch))
 
     rows: list[list[PromptResult]] = [[] for _ in proposers]
-    progress = tqdm(total=len(prompts), desc=" / ".join(names), unit="prompt", dynamic_ncols=True)
+    progress = tqdm(total=len(prompts), desc=" / ".join(dict.fromkeys(names)), unit="prompt", dynamic_ncols=True)
     for index, batch in enumerate(batches):
         turns = [p.turns[:1] if settings.first_turns else p.turns for p in batch]
         runs: dict[int, list[list[Turn]]] = {}
