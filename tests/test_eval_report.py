@@ -35,7 +35,7 @@ def constructed_set(name: str, compare: bool = True):
 def test_report_files_hold_the_numbers(tmp_path):
     greedy, sampled = constructed_set("mt_bench"), constructed_set("sampled", compare=False)
     assert greedy.acceptance_length == pytest.approx(2.75)
-    settings = EvalSettings(max_new_tokens=64, limit=2)
+    settings = EvalSettings(max_new_tokens=64, limit=2, exclude=["gsm8k"])
     write_report(tmp_path, [greedy, sampled], settings, target="tiny", draft="runs/draft", dtype="float32", device=CPU)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.png", "results.json", "results.md"]  # no .tmp
 
@@ -43,6 +43,7 @@ def test_report_files_hold_the_numbers(tmp_path):
     assert (results["target"], results["draft"], results["dtype"]) == ("tiny", "runs/draft", "float32")
     assert results["environment"]["device"].startswith("cpu (")  # where it was measured, with its vector unit
     assert results["settings"]["max_new_tokens"] == 64 and results["settings"]["limit"] == 2
+    assert results["settings"]["exclude"] == ["gsm8k"]
     first = results["sets"][0]
     assert first["acceptance_length"] == pytest.approx(2.75)
     assert first["acceptance_per_position"] == pytest.approx([0.75, 0.5, 0.5])
@@ -55,7 +56,7 @@ def test_report_files_hold_the_numbers(tmp_path):
     speedup = (13 / 2.0) / (14 / 3.0)
     assert f"| mt_bench | 2 | 2.750 | 0.75 / 0.50 / 0.50 | 1.750 | 6.5 | 4.7 | {speedup:.2f}x | 1 / 2 |" in table
     assert "| sampled | 2 | 2.750 |" in table and "n/a (sampled)" in table
-    assert "chain of 3 drafts, greedy, up to 64 new tokens per turn" in table
+    assert "chain of 3 drafts, greedy, up to 64 new tokens per turn, prompts found in gsm8k left out" in table
     assert (tmp_path / "acceptance.png").read_bytes().startswith(b"\x89PNG")
 
 

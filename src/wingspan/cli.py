@@ -68,6 +68,13 @@ TemplateOption = Annotated[
     str | None,
     typer.Option(help="A Jinja chat template file, for a target without one (a base model) or to replace its own."),
 ]
+ExcludeOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Held-out evaluation: leave out every prompt whose first turn is a user turn of this set or file "
+        "(as for --sets; training data too), e.g. gsm8k_test with --exclude gsm8k. Repeatable.",
+    ),
+]
 TemplateVariablesOption = Annotated[
     str,
     typer.Option(help="Chat template variables as a JSON object, e.g. '{\"enable_thinking\": false}' (Qwen3)."),
@@ -383,6 +390,7 @@ def evaluate_draft(
         float, typer.Option(help="0 = greedy (outputs must equal the baseline's); above, both decoders sample.")
     ] = 0.0,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts of each set.")] = None,
+    exclude: ExcludeOption = None,
     first_turns: Annotated[
         bool,
         typer.Option(
@@ -445,6 +453,7 @@ def evaluate_draft(
         temperature=temperature,
         seed=seed,
         limit=limit,
+        exclude=exclude or [],
         first_turns=first_turns,
         warmup_prompts=warmup,
         batch_size=batch_size,
@@ -456,7 +465,7 @@ def evaluate_draft(
     labels = proposer_labels(drafts, ngram)
     # Everything that can fail fast does, before the models load and the decoding starts.
     require_matplotlib()
-    prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit)
+    prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], settings.limit, settings.exclude)
     where = resolve_device(device)
     use_cpu_threads(where, threads)
     templates = template_options(chat_template, chat_template_kwargs)
@@ -523,6 +532,7 @@ def replay_references(
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Cap on each reply (per turn).")] = 256,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts of each set.")] = None,
+    exclude: ExcludeOption = None,
     first_turns: Annotated[
         bool, typer.Option("--first-turns", help="Only each prompt's first turn (MT-bench has two).")
     ] = False,
@@ -547,7 +557,7 @@ def replay_references(
     from wingspan.eval.replay import build_references
     from wingspan.models.target import TargetModel
 
-    prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], limit)
+    prompt_sets = load_prompt_sets([s.strip() for s in sets.split(",") if s.strip()], limit, exclude)
     where = resolve_device(device)
     use_cpu_threads(where, threads)
     layers = parse_ints(aux_layer_ids, "--aux-layer-ids") if aux_layer_ids else None

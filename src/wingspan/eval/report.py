@@ -72,7 +72,8 @@ def decoding(settings: EvalSettings) -> str:
     )
     sampling = f"temperature {settings.temperature:g}" if settings.temperature > 0 else "greedy"
     batch = f", batches of {settings.batch_size} prompts" if settings.batch_size > 1 else ""
-    return f"{drafts}, {sampling}, up to {settings.max_new_tokens} new tokens per turn{batch}"
+    held_out = f", prompts found in {', '.join(settings.exclude)} left out" if settings.exclude else ""
+    return f"{drafts}, {sampling}, up to {settings.max_new_tokens} new tokens per turn{batch}{held_out}"
 
 
 def number(value: float | None, digits: int, suffix: str = "") -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -65,6 +65,7 @@ class EvalSettings:
     temperature: float = 0.0  # 0: greedy; above, both decoders sample (outputs are then not compared)
     seed: int = 0  # with the prompt id, seeds each prompt's sampling
     limit: int | None = None  # the first N prompts of each set
+    exclude: list[str] = field(default_factory=list)  # sets or files whose prompts are left out (held-out sets)
     first_turns: bool = False  # ask only each prompt's first turn (as vLLM's referee and most published figures do)
     warmup_prompts: int = 1  # untimed runs of both decoders before measuring (batches of batch_size prompts)
     batch_size: int = 1  # prompts decoded together, by both decoders (chains only above 1)
