@@ -161,29 +161,29 @@ def test_the_step_called_alone_is_the_loops_step(tiny_target, tmp_path):
     assert step.sums[9] == sum(int(m.attention_mask.sum()) for m in group)
 
 
-def test_the_repeat_weight_reaches_the_step_objective(tiny_target, tmp_path):
+def test_the_repeat_weight_and_the_loss_reach_the_step_objective(tiny_target, tmp_path):
     """A step of two accumulated micro-batches optimises the weighted mean over both: each micro-batch's own
-    weighted mean (`ttt_forward` alone), weighed by its share of the step's weights."""
+    weighted mean (`ttt_forward` alone, with the run's loss), weighed by its share of the step's weights."""
     d2t, t2d = identity_vocab()
     g = torch.Generator().manual_seed(1)
     data = [TokenizedConversation(torch.randint(2, 6, (20,), generator=g).tolist(), [0] * 4 + [1] * 16) for _ in "ab"]
     objectives = {}
-    for weight in (1.0, 3.0):
-        cfg = config(
-            tmp_path / str(weight), max_steps=1, grad_accum=2, batch_tokens=32, ttt_steps=1, repeat_weight=weight
-        )
+    for weight, loss in ((1.0, "kl"), (3.0, "kl"), (3.0, "lk")):
+        run = tmp_path / f"{weight}-{loss}"
+        cfg = config(run, max_steps=1, grad_accum=2, batch_tokens=32, ttt_steps=1, repeat_weight=weight, loss=loss)
         torch.manual_seed(cfg.seed)
         trainee = prepare_draft(tiny_target, cfg, d2t, t2d, World())
         plan = plan_epoch([20, 20], cfg, 0, cfg.shuffle)
         group = [collate(data, plan[0], pad_id=0), collate(data, plan[1], pad_id=0)]
         features = OnlineFeatures(tiny_target, d2t)
-        alone = [float(ttt_forward(trainee.draft, features(m), 1, [1.0], repeat_weight=weight).loss) for m in group]
+        alone = [float(ttt_forward(trainee.draft, features(m), 1, [1.0], None, weight, loss).loss) for m in group]
         shares = [float(step_weights_of(m.loss_mask, m.positions, m.input_ids, 1, weight).sum()) for m in group]
         expected = sum(loss * share for loss, share in zip(alone, shares)) / sum(shares)
         step = train_step(trainee, group, features, learning_rate(0, 1, cfg), cfg, World())
         assert float(step.loss) == pytest.approx(expected, rel=1e-6)
-        objectives[weight] = float(step.loss)
-    assert objectives[3.0] != pytest.approx(objectives[1.0], rel=1e-3)
+        objectives[weight, loss] = float(step.loss)
+    assert objectives[3.0, "kl"] != pytest.approx(objectives[1.0, "kl"], rel=1e-3)
+    assert objectives[3.0, "lk"] != pytest.approx(objectives[3.0, "kl"], rel=1e-3)
 
 
 def test_resume_refuses_the_other_batch_layout(tiny_target, tmp_path):

@@ -11,6 +11,7 @@ from wingspan.data.template import TokenizedConversation
 from wingspan.decode.lookup import lookup_drafts
 from wingspan.models.draft import Eagle3Draft, new_kv_caches
 from wingspan.train.ttt import (
+    ACCEPTANCE_FLOOR,
     TTTBatch,
     repeated_bigrams,
     simulated_acceptance_length,
@@ -269,6 +270,35 @@ def test_repeat_weight_weighs_the_positions_lookup_would_copy():
                 counted = i + j + 2 < 12
                 expected = (4.0 if repeated[b, i + j + 1] else 1.0) if counted else 0.0
                 assert weights[j, b, i] == expected, (j, b, i)
+
+
+def test_the_lk_loss_is_minus_log_the_acceptance_rate():
+    torch.manual_seed(0)
+    draft = Eagle3Draft(tiny_config(1))
+    ids = torch.randint(0, 97, (2, 12))
+    logits = torch.randn(2, 12, 97)
+    batch = TTTBatch(ids, torch.ones(2, 12), arange_positions(ids), torch.randn(2, 12, 72), logits, logits.argmax(-1))
+    lk = ttt_forward(draft, batch, steps=2, step_weights=[1.0, 0.5], objective="lk")
+    kl = ttt_forward(draft, batch, steps=2, step_weights=[1.0, 0.5])
+    expected = []
+    for j, hidden in enumerate(unroll(draft, batch.aux_hidden, ids, batch.positions, 2)):
+        # origin i at step j predicts x_{i+j+2}, the target's distribution at i + j + 1, inside the row
+        q = torch.softmax(draft.logits(hidden[:, : 10 - j]), dim=-1)
+        p = torch.softmax(logits[:, j + 1 : 11], dim=-1)
+        acceptance = torch.minimum(p, q).sum(-1)  # speculative sampling accepts with probability sum min(p, q)
+        assert ((0 < acceptance) & (acceptance < 1)).all()
+        expected.append(-torch.log(acceptance + ACCEPTANCE_FLOOR).sum())
+    torch.testing.assert_close(lk.loss_sum, torch.stack(expected).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lk.loss, expected[0] / 20 + 0.5 * expected[1] / 18, rtol=1e-5, atol=1e-5)
+    assert lk.correct.tolist() == kl.correct.tolist() and lk.count.tolist() == kl.count.tolist()
+    lk.loss.backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in draft.parameters())
+
+    # A draft certain of a token the target never says: a finite loss, and a gradient towards the target's.
+    p, q = torch.tensor([[0.0, 1.0]]), torch.tensor([[0.0, -40.0]], requires_grad=True)
+    loss = -torch.log(torch.minimum(p, torch.softmax(q, -1)).sum(-1) + ACCEPTANCE_FLOOR)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and q.grad[0, 1] < 0
 
 
 def test_simulated_acceptance_length():

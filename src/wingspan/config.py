@@ -289,6 +289,9 @@ class DraftConfig:
 
 TTT_STEPS_DEFAULT = 7
 
+# What each TTT step minimises (`wingspan.train.ttt.ttt_forward`): forward KL, or the LK loss (-log acceptance).
+LossName = Literal["kl", "lk"]
+
 
 def upgraded_train_fields(data: dict) -> dict:
     """A run config written before `tracker` replaced `tensorboard: bool` (a run's config.json, a recipe file),
@@ -350,6 +353,9 @@ class TrainConfig:
     # the loss's weight where the context ends in a bigram seen earlier in the conversation (where prompt lookup
     # would propose: teach the draft to copy); 1 weighs every position alike
     repeat_weight: float = 1.0
+    # kl: the soft cross-entropy against the target's distribution; lk: -log of the acceptance rate sampling
+    # would have, sum_v min(p_v, q_v) (docs/training.md, "The loss")
+    loss: LossName = "kl"
     # optimisation
     lr: float = 1e-4
     min_lr_ratio: float = 0.0

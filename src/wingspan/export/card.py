@@ -31,6 +31,7 @@ RECIPE_FIELDS = (
     "num_parallel_tokens",
     "step_decay",
     "repeat_weight",
+    "loss",
     "lr",
     "min_lr_ratio",
     "warmup_ratio",

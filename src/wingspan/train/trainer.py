@@ -293,7 +293,11 @@ def prepare_draft(
         start_from(draft, config.init_from)
     step_weights = [config.step_decay**j for j in range(config.unroll_steps)]
     model = parallelize(
-        TTTLoss(draft, config.unroll_steps, step_weights, config.repeat_weight), draft, config.parallel, world, device
+        TTTLoss(draft, config.unroll_steps, step_weights, config.repeat_weight, config.loss),
+        draft,
+        config.parallel,
+        world,
+        device,
     )
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)

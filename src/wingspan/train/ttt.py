@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from wingspan.config import LossName
 from wingspan.data.batching import block_causal_mask, document_ids, is_packed
 from wingspan.models.draft import Eagle3Draft
 
@@ -103,9 +104,14 @@ class TTTBatch:
 @dataclass
 class TTTResult:
     loss: torch.Tensor  # scalar: sum over steps of weight_j * loss_sum_j / normaliser_j
-    loss_sum: torch.Tensor  # [steps] soft cross-entropy summed over counted positions (detached)
+    loss_sum: torch.Tensor  # [steps] the objective summed over counted positions (detached)
     correct: torch.Tensor  # [steps] positions where draft argmax == target argmax
     count: torch.Tensor  # [steps] counted positions
+
+
+# added to the acceptance rate under the LK loss's log: a draft with no mass on the target's tokens gets a finite
+# loss, and a gradient that still points towards them
+ACCEPTANCE_FLOOR = 1e-6
 
 
 def shift_left(x: torch.Tensor, by: int, fill: float | int = 0) -> torch.Tensor:
@@ -188,16 +194,19 @@ def ttt_forward(
     step_weights: list[float],
     normaliser: torch.Tensor | None = None,
     repeat_weight: float = 1.0,
+    objective: LossName = "kl",
 ) -> TTTResult:
     """Unroll the draft `steps` times and score each step against the target.
 
-    The target distribution is restricted to the draft vocab and renormalised (soft cross-entropy = forward
-    KL up to a constant). Only counted rows (assistant tokens whose prediction lies inside their conversation)
-    go through the vocab projection. `repeat_weight` weighs the positions where prompt lookup would propose
-    (`step_weights_of`); `normaliser` [steps] divides each step's weighted loss sum: by default this
-    micro-batch's weights, but a trainer passes those of the whole optimizer step so that accumulation and
-    data parallelism weight every token alike. The loss sums returned are unweighted (comparable across
-    weightings).
+    The target distribution is restricted to the draft vocab and renormalised. `objective` "kl": the soft
+    cross-entropy (forward KL up to a constant); "lk": the negative log of the acceptance rate that sampling
+    from the draft would have, -log sum_v min(p_v, q_v) (the LK^alpha loss of Samarin et al. 2026, which
+    scores acceptance instead of the whole distribution). Only counted rows (assistant tokens whose prediction
+    lies inside their conversation) go through the vocab projection. `repeat_weight` weighs the positions where
+    prompt lookup would propose (`step_weights_of`); `normaliser` [steps] divides each step's weighted loss sum:
+    by default this micro-batch's weights, but a trainer passes those of the whole optimizer step so that
+    accumulation and data parallelism weight every token alike. The loss sums returned are unweighted
+    (comparable across weightings).
     """
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
     target_p = torch.softmax(batch.target_logits.float(), dim=-1)
@@ -216,9 +225,13 @@ def ttt_forward(
         valid = max(0, input_ids.shape[1] - (j + 1))
         rows = masks[j][:, :valid]
         logp = torch.log_softmax(draft.logits(hidden[:, :valid][rows]).float(), dim=-1)
-        cross_entropy = -(target_p[:, j + 1 :][rows] * logp).sum(dim=-1)
-        loss_sum = cross_entropy.sum()
-        weighted = loss_sum if repeat_weight == 1.0 else (cross_entropy * weights[j][:, :valid][rows]).sum()
+        p = target_p[:, j + 1 :][rows]
+        if objective == "lk":
+            per_position = -torch.log(torch.minimum(p, logp.exp()).sum(dim=-1) + ACCEPTANCE_FLOOR)
+        else:
+            per_position = -(p * logp).sum(dim=-1)
+        loss_sum = per_position.sum()
+        weighted = loss_sum if repeat_weight == 1.0 else (per_position * weights[j][:, :valid][rows]).sum()
         loss = loss + step_weights[j] * weighted / normaliser[j]
         hits = draft.draft_to_target(logp.detach().max(dim=-1).indices) == target_argmax[:, j + 1 :][rows]
         loss_sums.append(loss_sum.detach())
@@ -231,15 +244,25 @@ class TTTLoss(torch.nn.Module):
     and gather sharded weights, which they do for a module's forward only, not for `draft.logits` or
     `draft.project_aux` called from outside it."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, step_weights: list[float], repeat_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        steps: int,
+        step_weights: list[float],
+        repeat_weight: float = 1.0,
+        objective: LossName = "kl",
+    ) -> None:
         super().__init__()
         self.draft = draft
         self.steps = steps
         self.step_weights = step_weights
         self.repeat_weight = repeat_weight
+        self.objective = objective
 
     def forward(self, batch: TTTBatch, normaliser: torch.Tensor | None = None) -> TTTResult:
-        return ttt_forward(self.draft, batch, self.steps, self.step_weights, normaliser, self.repeat_weight)
+        return ttt_forward(
+            self.draft, batch, self.steps, self.step_weights, normaliser, self.repeat_weight, self.objective
+        )
 
 
 def simulated_acceptance_length(step_accuracy: list[float], num_draft_tokens: int) -> float:
