@@ -160,7 +160,14 @@ def run_setting(spec: dict) -> dict:
     from wingspan.pipeline import tokenized_dataset
     from wingspan.train.distributed import World
     from wingspan.train.features import DumpFeatures, OnlineFeatures
-    from wingspan.train.trainer import learning_rate, prepare_draft, step_normaliser, to_device, train_step
+    from wingspan.train.trainer import (
+        learning_rate,
+        prepare_draft,
+        step_normaliser,
+        to_device,
+        train_step,
+        with_defaults,
+    )
 
     torch.set_num_threads(spec["threads"])
     resettable = reset_peak()
@@ -183,6 +190,7 @@ def run_setting(spec: dict) -> dict:
         records, target.vocab_size, min(config.draft_vocab_size, target.vocab_size), always_include=target.eos_token_ids
     )
     lengths = [len(r.input_ids) for r in records]
+    config = with_defaults(config, target.hidden_size, sum(lengths))
     order = list(range(len(records)))  # conversations in a seeded random order: a fair sample of the lengths
     random.Random(config.seed).shuffle(order)
     if spec["layout"] == "bs1":

@@ -16,7 +16,15 @@ from wingspan.errors import ConfigError
 from wingspan.models.target import TargetModel
 from wingspan.train.distributed import World
 from wingspan.train.features import OnlineFeatures
-from wingspan.train.trainer import learning_rate, prepare_draft, train, train_step
+from wingspan.train.trainer import (
+    LR_TIMES_WIDTH,
+    MAX_DEFAULT_EPOCHS,
+    learning_rate,
+    prepare_draft,
+    train,
+    train_step,
+    with_defaults,
+)
 from wingspan.train.ttt import step_weights_of, ttt_forward
 
 VOCAB = 128
@@ -80,6 +88,28 @@ def test_learning_rate_warms_up_then_decays():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_unset_lr_and_epochs_follow_the_targets_width_and_the_datas_size(tiny_target, tmp_path, capsys):
+    assert with_defaults(TrainConfig(), 576, 95_000).lr == pytest.approx(2e-3)  # the measured recipe's
+    assert with_defaults(TrainConfig(), 4096, 95_000).lr == pytest.approx(2e-3 * 576 / 4096)
+    epochs = [with_defaults(TrainConfig(), 576, tokens).epochs for tokens in (10_000, 400_000, 800_000, 5_000_000)]
+    assert epochs == [3.0, 2.5, 1.25, 1.0]
+    chosen = TrainConfig(lr=1e-3, epochs=0.5)
+    assert with_defaults(chosen, 576, 10_000) == chosen
+
+    d2t, t2d = identity_vocab()
+    data = sequences(4, 20)
+    cfg = config(tmp_path, lr=None, epochs=None, max_steps=None, grad_accum=1)
+    train(cfg, tiny_target, data, d2t, t2d)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())  # what the run used, for resume and export
+    assert saved["lr"] == pytest.approx(LR_TIMES_WIDTH / 48) and saved["epochs"] == MAX_DEFAULT_EPOCHS
+    out = capsys.readouterr().out
+    assert f"lr: {LR_TIMES_WIDTH / 48:.2e}, the default for a target 48 wide" in out
+    assert "epochs: 3, the default for 77 tokens a pass" in out
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps_per_epoch = len(plan_epoch([len(s.input_ids) for s in data], cfg, 0, shuffle=False))
+    assert metrics[-1]["step"] == 3 * steps_per_epoch
 
 
 def test_overfitting_a_few_sequences_reaches_high_accuracy(tiny_target, tmp_path):

@@ -356,15 +356,16 @@ class TrainConfig:
     # kl: the soft cross-entropy against the target's distribution; lk: -log of the acceptance rate sampling
     # would have, sum_v min(p_v, q_v) (docs/training.md, "The loss")
     loss: LossName = "kl"
-    # optimisation
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.0
+    # optimisation. lr and epochs unset: chosen for the target's width and the data's size when the run starts,
+    # and recorded in the run's config.json (docs/training.md, "Defaults")
+    lr: float | None = None
+    min_lr_ratio: float = 0.05
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_ratio: float = 0.02
+    warmup_ratio: float = 0.03
     grad_clip: float = 0.5
     grad_accum: int = 1
-    epochs: float = 1.0
+    epochs: float | None = None
     max_steps: int | None = None  # optimizer steps; overrides epochs when set
     # run the draft in bf16 autocast (the target dtype is target_dtype); unset: on GPUs yes, on CPUs no
     autocast_bf16: bool | None = None

@@ -50,6 +50,27 @@ from wingspan.train.features import FeatureSource, OnlineFeatures
 from wingspan.train.resume import cut_metrics, describe_run, require_same_run
 from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_weights_of
 
+# The learning rate measured best for SmolLM2-135M (hidden size 576) at 2048-token steps, times that width: the
+# default lr is this over the target's hidden size, Adam's rule under muP for the matrices that read it.
+LR_TIMES_WIDTH = 2e-3 * 576
+# The default epochs: as many passes as it takes to train on this many tokens, within [1, MAX_DEFAULT_EPOCHS].
+DEFAULT_TRAINED_TOKENS = 1_000_000
+MAX_DEFAULT_EPOCHS = 3.0
+
+
+def with_defaults(config: TrainConfig, hidden_size: int, data_tokens: int) -> TrainConfig:
+    """`config` with an unset lr chosen for the target's width and unset epochs for the data's size (tokens of
+    one pass); the choices are printed."""
+    chosen: dict[str, float] = {}
+    if config.lr is None:
+        chosen["lr"] = LR_TIMES_WIDTH / hidden_size
+        print0(f"lr: {chosen['lr']:.2e}, the default for a target {hidden_size} wide")
+    if config.epochs is None:
+        chosen["epochs"] = round(min(MAX_DEFAULT_EPOCHS, max(1.0, DEFAULT_TRAINED_TOKENS / max(1, data_tokens))), 2)
+        if config.max_steps is None:
+            print0(f"epochs: {chosen['epochs']:g}, the default for {data_tokens} tokens a pass")
+    return dataclasses.replace(config, **chosen)
+
 
 def learning_rate(step: int, total: int, config: TrainConfig) -> float:
     """Linear warmup, then cosine decay to `min_lr_ratio * lr`."""
@@ -497,6 +518,7 @@ def train(
     arguments.
     """
     world = current_world()
+    config = with_defaults(config, target.hidden_size, sum(len(s.input_ids) for s in sequences))
     features = features or OnlineFeatures(target, d2t)
     run_dir = Path(config.output_dir)
     run_record = describe_run(config, target, sequences, d2t, t2d)
