@@ -38,7 +38,7 @@ from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
 from wingspan.train.distributed import World
 from wingspan.train.features import OnlineFeatures
-from wingspan.train.trainer import learning_rate, prepare_draft, train, train_step
+from wingspan.train.trainer import learning_rate, prepare_draft, train, train_step, with_defaults
 
 EIGHT_B = dict(
     hidden_size=4096,
@@ -171,6 +171,7 @@ def throughput(target: TargetModel, layers: int, shape: dict, steps: int, compil
     config = TrainConfig(
         num_hidden_layers=layers, draft_vocab_size=draft_vocab, max_length=row_tokens, batch_tokens=rows * row_tokens
     )
+    config = with_defaults(config, target.hidden_size, sum(len(r.input_ids) for r in records))
     torch.manual_seed(0)
     trainee = prepare_draft(target, config, vocab.d2t, vocab.t2d, World())
     if compiled:

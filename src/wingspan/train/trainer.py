@@ -59,16 +59,15 @@ MAX_DEFAULT_EPOCHS = 3.0
 
 
 def with_defaults(config: TrainConfig, hidden_size: int, data_tokens: int) -> TrainConfig:
-    """`config` with an unset lr chosen for the target's width and unset epochs for the data's size (tokens of
-    one pass); the choices are printed."""
+    """`config` with an unset lr chosen for the target's width and unset epochs (when max_steps does not set the
+    length) for the data's size (tokens of one pass); the choices are printed."""
     chosen: dict[str, float] = {}
     if config.lr is None:
         chosen["lr"] = LR_TIMES_WIDTH / hidden_size
         print0(f"lr: {chosen['lr']:.2e}, the default for a target {hidden_size} wide")
-    if config.epochs is None:
+    if config.epochs is None and config.max_steps is None:
         chosen["epochs"] = round(min(MAX_DEFAULT_EPOCHS, max(1.0, DEFAULT_TRAINED_TOKENS / max(1, data_tokens))), 2)
-        if config.max_steps is None:
-            print0(f"epochs: {chosen['epochs']:g}, the default for {data_tokens} tokens a pass")
+        print0(f"epochs: {chosen['epochs']:g}, the default for {data_tokens} tokens a pass")
     return dataclasses.replace(config, **chosen)
 
 
