@@ -1,5 +1,6 @@
 """Training loop: loss goes down, a few sequences are learned, and resume equals an uninterrupted run."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -175,6 +176,8 @@ def test_the_step_called_alone_is_the_loops_step(tiny_target, tmp_path):
     final = train(cfg, tiny_target, data, d2t, t2d)
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
 
+    with pytest.raises(ValueError, match="config.lr is unset"):
+        prepare_draft(tiny_target, dataclasses.replace(cfg, lr=None), d2t, t2d, World())
     torch.manual_seed(cfg.seed)
     trainee = prepare_draft(tiny_target, cfg, d2t, t2d, World())
     plan = plan_epoch([len(s.input_ids) for s in data], cfg, 0, cfg.shuffle)

@@ -304,7 +304,10 @@ def prepare_draft(
     checkpoint: Checkpoint | None = None,
 ) -> Trainee:
     """A draft for `target` on its device (a new one, or `checkpoint`'s weights and optimizer state), wrapped
-    for `world`; the optimizer is built after the wrapping because FSDP2 replaces the parameters."""
+    for `world`; the optimizer is built after the wrapping because FSDP2 replaces the parameters. `config`'s lr
+    must be set: `with_defaults` chooses an unset one, as `train` does."""
+    if config.lr is None:
+        raise ValueError("prepare_draft: config.lr is unset; pass with_defaults(config, hidden_size, data_tokens)")
     device = target.device
     draft = build_draft(target, config, d2t, t2d).to(device)
     if checkpoint:
