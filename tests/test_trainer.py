@@ -18,7 +18,7 @@ from wingspan.models.target import TargetModel
 from wingspan.train.distributed import World
 from wingspan.train.features import OnlineFeatures
 from wingspan.train.trainer import (
-    LR_TIMES_WIDTH,
+    DEFAULT_LR,
     MAX_DEFAULT_EPOCHS,
     learning_rate,
     prepare_draft,
@@ -94,6 +94,7 @@ def test_learning_rate_warms_up_then_decays():
 def test_unset_lr_and_epochs_follow_the_targets_width_and_the_datas_size(tiny_target, tmp_path, capsys):
     assert with_defaults(TrainConfig(), 576, 95_000).lr == pytest.approx(2e-3)  # the measured recipe's
     assert with_defaults(TrainConfig(), 4096, 95_000).lr == pytest.approx(2e-3 * 576 / 4096)
+    assert with_defaults(TrainConfig(), 64, 95_000).lr == pytest.approx(2e-3)  # never above the measured value
     epochs = [with_defaults(TrainConfig(), 576, tokens).epochs for tokens in (10_000, 400_000, 800_000, 5_000_000)]
     assert epochs == [3.0, 2.5, 1.25, 1.0]
     chosen = TrainConfig(lr=1e-3, epochs=0.5)
@@ -104,9 +105,9 @@ def test_unset_lr_and_epochs_follow_the_targets_width_and_the_datas_size(tiny_ta
     cfg = config(tmp_path, lr=None, epochs=None, max_steps=None, grad_accum=1)
     train(cfg, tiny_target, data, d2t, t2d)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())  # what the run used, for resume and export
-    assert saved["lr"] == pytest.approx(LR_TIMES_WIDTH / 48) and saved["epochs"] == MAX_DEFAULT_EPOCHS
+    assert saved["lr"] == pytest.approx(DEFAULT_LR) and saved["epochs"] == MAX_DEFAULT_EPOCHS
     out = capsys.readouterr().out
-    assert f"lr: {LR_TIMES_WIDTH / 48:.2e}, the default for a target 48 wide" in out
+    assert "lr: 2.00e-03, the default for a target 48 wide" in out
     assert "epochs: 3, the default for 77 tokens a pass" in out
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps_per_epoch = len(plan_epoch([len(s.input_ids) for s in data], cfg, 0, shuffle=False))

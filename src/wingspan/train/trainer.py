@@ -50,9 +50,11 @@ from wingspan.train.features import FeatureSource, OnlineFeatures
 from wingspan.train.resume import cut_metrics, describe_run, require_same_run
 from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_weights_of
 
-# The learning rate measured best for SmolLM2-135M (hidden size 576) at 2048-token steps, times that width: the
-# default lr is this over the target's hidden size, Adam's rule under muP for the matrices that read it.
-LR_TIMES_WIDTH = 2e-3 * 576
+# The learning rate measured best for SmolLM2-135M (hidden size 576) at 2048-token steps: the default lr for a
+# target that wide, scaled by 576 / hidden size for wider ones (Adam's rule under muP for the matrices that read
+# the hidden state), and not raised for narrower ones, where it was never measured.
+DEFAULT_LR = 2e-3
+DEFAULT_LR_WIDTH = 576
 # The default epochs: as many passes as it takes to train on this many tokens, within [1, MAX_DEFAULT_EPOCHS].
 DEFAULT_TRAINED_TOKENS = 1_000_000
 MAX_DEFAULT_EPOCHS = 3.0
@@ -63,7 +65,7 @@ def with_defaults(config: TrainConfig, hidden_size: int, data_tokens: int) -> Tr
     length) for the data's size (tokens of one pass); the choices are printed."""
     chosen: dict[str, float] = {}
     if config.lr is None:
-        chosen["lr"] = LR_TIMES_WIDTH / hidden_size
+        chosen["lr"] = DEFAULT_LR * min(1.0, DEFAULT_LR_WIDTH / hidden_size)
         print0(f"lr: {chosen['lr']:.2e}, the default for a target {hidden_size} wide")
     if config.epochs is None and config.max_steps is None:
         chosen["epochs"] = round(min(MAX_DEFAULT_EPOCHS, max(1.0, DEFAULT_TRAINED_TOKENS / max(1, data_tokens))), 2)
