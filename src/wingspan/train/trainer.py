@@ -50,9 +50,10 @@ from wingspan.train.features import FeatureSource, OnlineFeatures
 from wingspan.train.resume import cut_metrics, describe_run, require_same_run
 from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_weights_of
 
-# The learning rate measured best for SmolLM2-135M (hidden size 576) at 2048-token steps: the default lr for a
-# target that wide, scaled by 576 / hidden size for wider ones (Adam's rule under muP for the matrices that read
-# the hidden state), and not raised for narrower ones, where it was never measured.
+# The learning rate of the measured recipe for SmolLM2-135M (hidden size 576) at 2048-token steps, a flat optimum
+# (1e-3 and 4e-3 measured no different: docs/results/recipe.md). It is the default lr for a target that wide,
+# scaled by 576 / hidden size for wider ones (Adam's rule under muP for the matrices that read the hidden state),
+# and not raised for narrower ones, where it was never measured.
 DEFAULT_LR = 2e-3
 DEFAULT_LR_WIDTH = 576
 # The default epochs: as many passes as it takes to train on this many tokens, within [1, MAX_DEFAULT_EPOCHS].
