@@ -34,18 +34,21 @@ def references(target) -> References:
     return build_references(target, "tiny", "float32", PROMPTS, 20, first_turns=False, batch_size=2)
 
 
-@pytest.mark.parametrize("layers, seed, favour", [(1, 12, 6.0), (2, 11, 3.0)])
-def test_replayed_rounds_are_the_decoders(target, references, layers, seed, favour):
+@pytest.mark.parametrize(
+    "layers, seed, favour, parallel", [(1, 12, 6.0, False), (2, 11, 3.0, False), (1, 24, 15.0, True)]
+)
+def test_replayed_rounds_are_the_decoders(target, references, layers, seed, favour, parallel):
     """Drafts biased towards FAVOURED that propose it in some rounds only: acceptance depends on their hidden
-    states, so a draft fed otherwise than in decoding would give other rounds."""
-    draft = make_draft(target, layers, seed=seed, favour=favour)
+    states (a parallel draft's: on its mask slots'), so a draft fed otherwise than in decoding would give other
+    rounds."""
+    draft = make_draft(target, layers, seed=seed, favour=favour, parallel=parallel)
     assert [(r.set_name, r.prompt_id, r.turn) for r in references.items] == [
         ("chat", "a", 0),
         ("chat", "b", 0),
         ("chat", "b", 1),
         ("math", "c", 0),
     ]
-    accepted = 0
+    accepted = beyond_first = 0
     for k in (1, 3):
         sets = replay(draft, references, k)
         rounds = {p.id: p.accepted_per_round for s in sets for p in s.prompts}
@@ -64,11 +67,12 @@ def test_replayed_rounds_are_the_decoders(target, references, layers, seed, favo
         assert drafted == expected_drafted, k
         assert matched == expected_matched and any(any(m) for m in matched.values())
         accepted += sum(sum(r) for r in rounds.values())
+        beyond_first += sum(a >= 2 for r in rounds.values() for a in r)
         chat = sets[0]
         assert chat.name == "chat" and chat.num_prompts == 2
         assert chat.rounds == len(rounds["a"]) + len(rounds["b"])
         assert chat.acceptance_length == (chat.rounds + sum(rounds["a"]) + sum(rounds["b"])) / chat.rounds
-    assert 0 < accepted
+    assert 0 < accepted and (beyond_first > 0 or not parallel)  # a parallel draft: mask slots accepted too
 
 
 def test_stopped_replies_carry_their_stop_token(target, tiny_llama_dir):

@@ -7,7 +7,7 @@ from conftest import tiny_draft_config
 from wingspan.decode import primitives, speculative
 from wingspan.decode.primitives import DraftTree, TreeShape
 from wingspan.decode.speculative import plain_generate, speculative_generate
-from wingspan.eval.replay import chain_hits, replay_rounds
+from wingspan.eval.replay import draft_hits, replay_rounds
 from wingspan.models.draft import Eagle3Draft, new_kv_caches
 from wingspan.models.target import TargetModel
 
@@ -143,7 +143,7 @@ def replayed_acceptance(target, draft, prompt, output, k):
     """Per-round accepted counts from the TTT unroll over the final tokens (`wingspan.eval.replay`): equal only
     if the draft is fed as training feeds it."""
     ids = torch.tensor(prompt + output)
-    hits = chain_hits(draft, ids, target.forward(ids[None]).aux_hidden[0], k)
+    hits = draft_hits(draft, ids, target.forward(ids[None]).aux_hidden[0], k)
     return replay_rounds(hits, len(prompt), len(output), len(output), k)[0]
 
 

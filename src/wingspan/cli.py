@@ -581,7 +581,9 @@ def replay_score(
             "replies (each against the first)."
         ),
     ],
-    num_draft_tokens: Annotated[int, typer.Option(min=1, help="Drafts per round (a chain).")] = 3,
+    num_draft_tokens: Annotated[
+        int, typer.Option(min=1, help="Drafts per round (a chain's, or a parallel draft's).")
+    ] = 3,
     ngram_sizes: Annotated[
         str, typer.Option(help="MIN,MAX n-gram lengths of prompt lookup, for the split of the rounds by its matches.")
     ] = "2,4",
@@ -589,10 +591,10 @@ def replay_score(
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
 ) -> None:
-    """Each draft's chain acceptance on the references' replies, as greedy speculative decoding would give it:
-    tau per set, pooled with its 95% prompt-bootstrap interval, each draft against the first with a paired
-    interval, and its tau where prompt lookup would have proposed and elsewhere. No wall-clock speed (measure
-    that with `wingspan eval`)."""
+    """Each draft's acceptance (chain or parallel) on the references' replies, as greedy speculative decoding
+    would give it: tau per set, pooled with its 95% prompt-bootstrap interval, each draft against the first with
+    a paired interval, and its tau where prompt lookup would have proposed and elsewhere. No wall-clock speed
+    (measure that with `wingspan eval`)."""
     import json
 
     from wingspan.devices import resolve_device, use_cpu_threads

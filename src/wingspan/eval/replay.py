@@ -159,9 +159,10 @@ def build_references(
 
 
 @torch.no_grad()
-def chain_hits(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> torch.Tensor:
-    """[steps, T] bool over the T positions `aux` covers: step j of the chain from origin i proposes
-    tokens[i + j + 2] (fed tokens[i + 1..]). `tokens` may hold one more, a stop token with no features."""
+def draft_hits(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps, T] bool over the T positions `aux` covers: step j of the round from origin i proposes
+    tokens[i + j + 2] (a chain fed tokens[i + 1..], a parallel draft's mask slots). `tokens` may hold one more,
+    a stop token with no features."""
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     length = aux.shape[0]
     every = tokens[None].to(device)
@@ -243,12 +244,12 @@ def require_layers(aux_layer_ids: list[int], references: References, draft: str 
 def replay(
     draft: Eagle3Draft, references: References, num_draft_tokens: int, ngram_sizes: tuple[int, int] = (2, 4)
 ) -> list[ReplayedSet]:
-    """Every reference's rounds for `draft`'s chains, gathered per prompt (its turns together) and per set, with
-    where prompt lookup of `ngram_sizes` would have proposed."""
+    """Every reference's rounds for `draft` (a chain, or a parallel draft's one forward a round), gathered per
+    prompt (its turns together) and per set, with where prompt lookup of `ngram_sizes` would have proposed."""
     require_layers(draft.config.aux_layer_ids, references)
     per_prompt: dict[tuple[str, str], ReplayedPrompt] = {}
     for item in references.items:
-        hits = chain_hits(draft, item.tokens, item.aux, num_draft_tokens)
+        hits = draft_hits(draft, item.tokens, item.aux, num_draft_tokens)
         accepted, drafted = replay_rounds(
             hits, item.prompt_length, item.reply_length, references.max_new_tokens, num_draft_tokens
         )
