@@ -329,6 +329,9 @@ class TrainConfig:
     # draft layer i starts as the target's layer (last aux id + i), the layer the last aux feature enters (a
     # layer reading the embeddings too gets zeros for them); Llama-shaped target layers only
     init_layers_from_target: bool = False
+    # layer 0 starts with a copy (induction) head: what followed the last occurrence of the input token, as
+    # prompt lookup proposes (wingspan.train.copy_head); needs init_from_target, and a draft as wide as the target
+    init_copy_head: bool = False
     # a wingspan draft directory (a run's draft, a checkpoint, `wingspan import`'s output) whose weights and
     # vocab the training starts from, with a fresh optimizer; its shape must be the run's
     init_from: str | None = None
@@ -402,6 +405,11 @@ class TrainConfig:
             raise ConfigError("mask_token_id: for parallel drafts only (draft_mode: parallel)")
         if self.draft_mode == "parallel" and self.ttt_steps != TTT_STEPS_DEFAULT:
             raise ConfigError("ttt_steps: chain drafts only; a parallel draft trains num_parallel_tokens predictions")
+        if self.init_copy_head and (self.init_from or self.init_layers_from_target or not self.init_from_target):
+            raise ConfigError(
+                "init_copy_head: plants a head in a new draft started from the target (init_from_target: true); "
+                "not with init_from or init_layers_from_target"
+            )
         if self.init_from and self.vocab:
             raise ConfigError("init_from and vocab: a draft to start from brings its own vocab; set one of them")
 

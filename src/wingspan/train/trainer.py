@@ -34,6 +34,7 @@ from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.families import rope_parameters
 from wingspan.trackers import WANDB_RUN_ID, Trackers
 from wingspan.train.checkpoint import Checkpoint, checkpoint_directories, resume_point, save_checkpoint
+from wingspan.train.copy_head import plant_copy_head
 from wingspan.train.distributed import (
     World,
     clip_grad_norm_,
@@ -305,14 +306,23 @@ def prepare_draft(
     t2d: torch.Tensor,
     world: World,
     checkpoint: Checkpoint | None = None,
+    copy_samples: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Trainee:
     """A draft for `target` on its device (a new one, or `checkpoint`'s weights and optimizer state), wrapped
     for `world`; the optimizer is built after the wrapping because FSDP2 replaces the parameters. `config`'s lr
-    must be set: `with_defaults` chooses an unset one, as `train` does."""
+    must be set: `with_defaults` chooses an unset one, as `train` does. `copy_samples`: the target's aux
+    features and tokens a new draft's copy head is planted from (`init_copy_head`, `copy_head_samples`)."""
     if config.lr is None:
         raise ValueError("prepare_draft: config.lr is unset; pass with_defaults(config, hidden_size, data_tokens)")
     device = target.device
-    draft = build_draft(target, config, d2t, t2d).to(device)
+    draft = build_draft(target, config, d2t, t2d)
+    if config.init_copy_head and not checkpoint:
+        if copy_samples is None:
+            raise ValueError("prepare_draft: init_copy_head needs copy_samples (copy_head_samples)")
+        generator = torch.Generator().manual_seed(config.seed)
+        accuracy = plant_copy_head(draft, *copy_samples, config.max_length, generator)
+        print0(f"init_copy_head: a copy head planted in layer 0 (its probe names the current token {accuracy:.0%})")
+    draft = draft.to(device)
     if checkpoint:
         draft.load_trainable_state(checkpoint.weights, source=str(checkpoint.path))
     elif config.init_from:
@@ -381,6 +391,30 @@ def train_step(
         trainee.optimizer.step()
     trainee.optimizer.zero_grad(set_to_none=True)
     return StepMetrics(loss, sums, grad_norm, skipped)
+
+
+COPY_HEAD_SAMPLES = 16384  # tokens of the run's first micro-batches that a copy head's probe is fitted on
+
+
+def copy_head_samples(
+    sequences: list[TokenizedConversation],
+    lengths: list[int],
+    config: TrainConfig,
+    features: FeatureSource,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's aux features [N, num_aux * H] and the tokens [N] at the real positions of the first
+    micro-batches of the run's first epoch, unshuffled (every rank reads the same), to COPY_HEAD_SAMPLES tokens."""
+    aux, tokens, count = [], [], 0
+    for rows in plan_epoch(lengths, config, 0, shuffle=False):
+        micro = collate(sequences, rows, pad_id)
+        real = micro.attention_mask.bool()
+        aux.append(features(micro).aux_hidden.detach().float().cpu()[real])
+        tokens.append(micro.input_ids[real])
+        count += int(real.sum())
+        if count >= COPY_HEAD_SAMPLES:
+            break
+    return torch.cat(aux), torch.cat(tokens)
 
 
 MAX_SKIPS_IN_A_ROW = 10  # on_nonfinite=skip: this many non-finite steps in a row stop the run
@@ -530,9 +564,13 @@ def train(
     checkpoint = open_run(config, run_record, resume, built_vocab, target.device)
     world.barrier()  # the run directory is checked and set up before any rank trains
     torch.manual_seed(config.seed)
-    trainee = prepare_draft(target, config, d2t, t2d, world, checkpoint)
-
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     lengths = [len(s.input_ids) for s in sequences]
+    copy_samples = None
+    if config.init_copy_head and not checkpoint:
+        copy_samples = copy_head_samples(sequences, lengths, config, features, pad_id)
+    trainee = prepare_draft(target, config, d2t, t2d, world, checkpoint, copy_samples)
+
     batches_per_epoch = len(plan_epoch(lengths, config, 0, shuffle=False))
     steps_per_epoch = max(1, batches_per_epoch // config.grad_accum)
     total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
@@ -552,7 +590,6 @@ def train(
             f"ranks run a zero-weight micro-batch every step to keep in step; a multiple of {world.size} wastes none"
         )
 
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     log = MetricLog(run_dir, config, world, trainee.device)
     guard = FiniteGuard(config, sequences)
     last_checkpoint = step

@@ -1,0 +1,114 @@
+"""A copy head planted in the draft's first layer at the start of training (`init_copy_head`).
+
+The default target's greedy replies repeat themselves, and a draft trained from scratch on a CPU budget does not
+learn to copy (docs/results/recipe.md): prompt lookup then beats it. One kv head of layer 0 and the query heads
+that share it start as an induction head instead:
+- fc writes a code of the current token t_m into `rank` reserved residual dimensions: the last aux layer's
+  least-varying directions, which fc stops passing through. The code is read from the lowest aux layer (near
+  the embeddings, where the current token is plainest) by a ridge probe fitted on the run's first micro-batches.
+- The head's key reads that code; its queries read the same code of the input embedding, x_{p+1} at origin p:
+  an earlier position m with t_m = x_{p+1} matches.
+- Its value reads the embedding input at m, x_{m+1}, mapped to the direction that lm_head (the target's readout
+  rows, through the final norm) reads as that token (a ridge map: about the identity for tied embeddings, the
+  best linear fit for untied ones), and o_proj writes it into the residual: the token that followed the match,
+  which is what lookup proposes.
+The match uses only RoPE pairs that turn by at most a radian over `max_length`, so it holds at any distance.
+Training then moves every weight as usual. The scales below make the planted head dominate where it matches;
+they were set on the default target (docs/results/recipe.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wingspan.errors import ConfigError
+from wingspan.models.draft import Eagle3Draft
+
+CODE_SHARE = 0.4  # the code's norm in the residual against the last aux layer's
+MATCH_SHARPNESS = 10.0  # query scale: a match's attention score over a non-match's
+COPY_GAIN = 0.16  # o_proj's scale, times the last aux layer's mean norm: the copy outweighs the residual
+PROBE_RIDGE = 1e-2  # the probe's ridge, relative to the mean square of its inputs
+MAX_TURN = 1.0  # radians a RoPE pair carrying the match may turn over max_length
+
+
+def stable_rope_dims(draft: Eagle3Draft, max_length: int) -> list[int]:
+    """The head dims (rotate-half pairs d and d + head_dim / 2) whose rotation over `max_length` positions stays
+    within MAX_TURN."""
+    half = draft.config.head_dim // 2
+    pairs = [d for d in range(half) if float(draft.inverse_frequencies[d]) * max_length <= MAX_TURN]
+    return pairs + [d + half for d in pairs]
+
+
+def check_plantable(draft: Eagle3Draft, max_length: int) -> None:
+    config = draft.config
+    if config.hidden_size != config.target_hidden_size:
+        raise ConfigError("init_copy_head: the draft's hidden size must be the target's (fc passes a layer through)")
+    dims = stable_rope_dims(draft, max_length)
+    if len(dims) < 8:
+        raise ConfigError(
+            f"init_copy_head: only {len(dims)} head dims turn by less than {MAX_TURN} rad over max_length "
+            f"{max_length} (rope_theta {config.rope_theta}); the match needs 8; use a shorter max_length"
+        )
+
+
+def fit_probe(features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """[H, H'] ridge regression from `features` [N, H] to `embeddings` [N, H']."""
+    x = features.double()
+    ridge = PROBE_RIDGE * float(x.pow(2).mean()) * x.shape[0]
+    gram = x.T @ x + ridge * torch.eye(x.shape[1], dtype=x.dtype)
+    return torch.linalg.solve(gram, x.T @ embeddings.double()).float()
+
+
+@torch.no_grad()
+def plant_copy_head(
+    draft: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, max_length: int, generator: torch.Generator
+) -> float:
+    """Set up kv head 0 of layer 0 as a copy head (the module's docstring), from the target's aux features `aux`
+    [N, num_aux * H] over the tokens `tokens` [N] they were computed at. The draft must have fc passing the last
+    aux layer through (init_from_target). Returns the probe's accuracy: how often the code read back from the
+    features names the current token among the whole vocab, on the last tenth of the samples."""
+    check_plantable(draft, max_length)
+    config = draft.config
+    hidden, head_dim = config.hidden_size, config.head_dim
+    dims = stable_rope_dims(draft, max_length)
+    rank = len(dims)
+    embed = draft.embed_tokens.weight.float()
+    normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)  # input_layernorm(E)
+    aux = aux.float()
+    lowest = config.aux_layer_ids.index(min(config.aux_layer_ids))
+    low, last = aux[:, lowest * hidden : (lowest + 1) * hidden], aux[:, -hidden:]
+    fitted = int(0.9 * len(tokens))
+    probe = fit_probe(low[:fitted], normed[tokens[:fitted]])
+    # embeddings -> what lm_head reads as the same token, scaled to the embeddings' norm
+    readout_rows = draft.lm_head.weight * draft.norm.weight
+    vocab_normed = normed[draft.draft_to_target(torch.arange(config.draft_vocab_size))]
+    readout = fit_probe(vocab_normed, readout_rows)
+    readout *= vocab_normed.norm(dim=-1).mean() / (vocab_normed @ readout).norm(dim=-1).mean()
+
+    code = torch.linalg.qr(torch.randn(hidden, rank, generator=generator))[0].T  # [rank, H] orthonormal rows
+    value = torch.linalg.qr(torch.randn(hidden, head_dim, generator=generator))[0].T  # [head_dim, H]
+    # the residual's reserved dims: the last aux layer's least-varying directions
+    reserved = torch.linalg.eigh(torch.cov(last.T.double()))[1][:, :rank].float()  # [H, rank]
+
+    read = low @ probe @ code.T  # [N, rank]: each position's code of its current token
+    last_norm = float(last.norm(dim=-1).mean())
+    scale = CODE_SHARE * last_norm / float(read.norm(dim=-1).mean())
+    fc = draft.fc.weight
+    fc[:, -hidden:] = torch.eye(hidden) - reserved @ reserved.T
+    fc[:, lowest * hidden : (lowest + 1) * hidden] = scale * reserved @ code @ probe.T
+
+    attn = draft.layers[0].self_attn
+    kv_rows = slice(0, head_dim)
+    attn.k_proj.weight[kv_rows] = 0
+    attn.k_proj.weight[dims, hidden:] = reserved.T
+    attn.v_proj.weight[kv_rows] = 0
+    attn.v_proj.weight[kv_rows, :hidden] = value @ readout.T
+    for head in range(config.num_attention_heads // config.num_key_value_heads):  # the heads sharing kv head 0
+        rows = slice(head * head_dim, (head + 1) * head_dim)
+        attn.q_proj.weight[rows] = 0
+        attn.q_proj.weight[[head * head_dim + d for d in dims], :hidden] = MATCH_SHARPNESS * code
+        attn.o_proj.weight[:, rows] = COPY_GAIN * last_norm * value.T
+
+    named = torch.nn.functional.normalize(normed @ code.T, dim=-1)
+    guessed = (torch.nn.functional.normalize(read[fitted:], dim=-1) @ named.T).argmax(dim=-1)
+    return float((guessed == tokens[fitted:]).float().mean())

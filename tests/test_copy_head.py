@@ -1,0 +1,100 @@
+"""init_copy_head: a draft planted with a copy head proposes what followed the input token's earlier occurrence."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_draft_config
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from wingspan.config import TrainConfig
+from wingspan.data.template import TokenizedConversation
+from wingspan.errors import ConfigError
+from wingspan.eval.replay import draft_hits
+from wingspan.models.draft import Eagle3Draft
+from wingspan.models.target import TargetModel
+from wingspan.train.copy_head import check_plantable
+from wingspan.train.trainer import train
+
+VOCAB = 512
+LENGTH = 64
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    """Tied embeddings, as SmolLM2's: lm_head reads a token's embedding direction as that token."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).float()
+    return TargetModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "tiny-llama")
+
+
+def random_conversations(n: int, seed: int) -> list[TokenizedConversation]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        TokenizedConversation(torch.randint(2, VOCAB, (LENGTH,), generator=g).tolist(), [1] * LENGTH) for _ in range(n)
+    ]
+
+
+def trained_draft(target, tmp_path, plant: bool) -> Eagle3Draft:
+    """One step at a negligible lr: the draft as it starts."""
+    config = TrainConfig(
+        output_dir=str(tmp_path / ("planted" if plant else "plain")),
+        aux_layer_ids=[0, 1, 2],
+        init_copy_head=plant,
+        max_length=LENGTH,
+        batch_tokens=4 * LENGTH,
+        ttt_steps=2,
+        lr=1e-12,
+        max_steps=1,
+        target_dtype="float32",
+    )
+    d2t, t2d = torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool)
+    final = train(config, target, random_conversations(64, seed=1), d2t, t2d)
+    return Eagle3Draft.load(final, target.embed_weight())
+
+
+def copy_rates(draft: Eagle3Draft, target: TargetModel) -> tuple[float, float]:
+    """Step 0's hit rate on fresh random text (first half) and on the same text again (second half), where the
+    right draft at origin i is what followed the same token in the first half."""
+    half = torch.randint(2, VOCAB, (LENGTH // 2,), generator=torch.Generator().manual_seed(7))
+    tokens = torch.cat([half, half])
+    hits = draft_hits(draft, tokens, target.forward(tokens[None]).aux_hidden[0], 1)[0, :-2].float()
+    middle = LENGTH // 2 - 1  # origin i predicts x_{i+2}: from here on, a token of the repeat
+    return float(hits[: middle - 1].mean()), float(hits[middle:].mean())
+
+
+def test_a_planted_draft_proposes_what_followed_the_earlier_occurrence(target, tmp_path, capsys):
+    fresh, repeated = copy_rates(trained_draft(target, tmp_path, plant=True), target)
+    assert "init_copy_head: a copy head planted in layer 0" in capsys.readouterr().out
+    assert repeated > 0.8 and fresh < 0.1, (fresh, repeated)
+    fresh, repeated = copy_rates(trained_draft(target, tmp_path, plant=False), target)
+    assert repeated < 0.1 and fresh < 0.1, (fresh, repeated)
+
+
+def test_the_match_needs_head_dims_that_rope_barely_turns():
+    draft = Eagle3Draft(tiny_draft_config(vocab_size=VOCAB, draft_vocab_size=VOCAB))  # head_dim 8
+    with pytest.raises(
+        ConfigError, match="init_copy_head: only 2 head dims turn by less than 1.0 rad over max_length 512"
+    ):
+        check_plantable(draft, 512)
+
+
+@pytest.mark.parametrize(
+    "other", [{"init_from": "runs/x/draft"}, {"init_layers_from_target": True}, {"init_from_target": False}]
+)
+def test_a_copy_head_is_planted_in_a_new_draft_from_the_target_only(other):
+    with pytest.raises(ConfigError, match="init_copy_head: plants a head in a new draft"):
+        TrainConfig(init_copy_head=True, **other)
