@@ -236,7 +236,7 @@ def test_a_study_of_chain_and_parallel_drafts(tiny_study, tmp_path):
     by_name = {s["name"]: s for s in results["settings"]}
     assert list(by_name) == ["D1", "P-D1"] and by_name["P-D1"]["mode"] == "parallel"
     run = json.loads((tmp_path / "settings/P-D1/run/config.json").read_text())
-    assert (run["draft_mode"], run["num_parallel_tokens"], run["ttt_steps"]) == ("parallel", 3, 7)
+    assert (run["draft_mode"], run["num_parallel_tokens"], run["ttt_steps"]) == ("parallel", 3, 3)
     assert json.loads((tmp_path / "settings/D1/run/config.json").read_text())["ttt_steps"] == 2
     parallel = by_name["P-D1"]["eval"]
     assert list(parallel) == ["parallel"] and list(by_name["D1"]["eval"]) == ["chain", "tree"]

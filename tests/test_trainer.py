@@ -127,7 +127,7 @@ def test_overfitting_a_few_sequences_reaches_high_accuracy(tiny_target, tmp_path
 def test_a_parallel_draft_learns_its_mask_slots(tiny_target, tmp_path):
     d2t, t2d = identity_vocab()
     cfg = config(
-        tmp_path, max_steps=150, lr=1e-2, log_every=10, save_every=1000, num_hidden_layers=1, ttt_steps=7,
+        tmp_path, max_steps=150, lr=1e-2, log_every=10, save_every=1000, num_hidden_layers=1,
         draft_mode="parallel", num_parallel_tokens=3,
     )  # fmt: skip
     draft_dir = train(cfg, tiny_target, sequences(2, 24), d2t, t2d)
@@ -144,7 +144,7 @@ def test_a_parallel_draft_learns_its_mask_slots(tiny_target, tmp_path):
 
 def test_parallel_settings_are_checked():
     with pytest.raises(ConfigError, match="ttt_steps: chain drafts only"):
-        TrainConfig(draft_mode="parallel", ttt_steps=3)
+        TrainConfig(draft_mode="parallel", ttt_steps=7)
     with pytest.raises(ConfigError, match="mask_token_id: for parallel drafts only"):
         TrainConfig(mask_token_id=5)
     with pytest.raises(ConfigError, match="num_parallel_tokens: must be >= 2"):
@@ -158,7 +158,7 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_pat
     data = sequences(16, 11)  # 11, 10 and 9 tokens: packed, three conversations share a 32-token row
     fields = dict(grad_accum=2, pack=pack)
     if mode == "parallel":
-        fields |= dict(draft_mode="parallel", num_parallel_tokens=3, ttt_steps=7, mask_token_id=5)
+        fields |= dict(draft_mode="parallel", num_parallel_tokens=3, mask_token_id=5)
     full = train(config(tmp_path / "a", **fields), tiny_target, data, d2t, t2d)
     interrupted_copy(tmp_path / "a" / "run", tmp_path / "b" / "run", at=8)
     resumed = train(config(tmp_path / "b", **fields), tiny_target, data, d2t, t2d, resume=True)
@@ -261,7 +261,7 @@ def test_training_starts_from_an_imported_draft(tiny_target, tmp_path):
 
     # A chain draft starts a parallel run: its step 0 is kept (the first loss is where the chain ended), the
     # mask starts fresh; a parallel draft cannot start a chain run.
-    parallel = dict(draft_mode="parallel", num_parallel_tokens=3, ttt_steps=7, max_steps=2, log_every=1)
+    parallel = dict(draft_mode="parallel", num_parallel_tokens=3, max_steps=2, log_every=1)
     run = train(config(tmp_path / "e", init_from=str(imported), **parallel), tiny_target, data, d2t, t2d)
     assert losses(tmp_path / "e")[0] == pytest.approx(started, rel=1e-6)
     with pytest.raises(ConfigError, match="a parallel draft; set draft_mode: parallel to train it further"):

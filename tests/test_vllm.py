@@ -170,7 +170,7 @@ def parallel_draft_dir(quickstart_dir, tmp_path_factory) -> Path:
         init_from=str(quickstart_dir / "run" / "draft"),
         draft_mode="parallel",
         num_parallel_tokens=3,
-        ttt_steps=TrainConfig.ttt_steps,  # the chain setting, left at its default (the recipe's is 3)
+        ttt_steps=TrainConfig.ttt_steps,  # the chain setting, which a parallel draft leaves at its default
         lr=1e-3,
         max_steps=PARALLEL_STEPS,
         save_every=PARALLEL_STEPS,
