@@ -39,7 +39,8 @@ def stable_rope_dims(draft: Eagle3Draft, max_length: int) -> list[int]:
     return pairs + [d + half for d in pairs]
 
 
-def check_plantable(draft: Eagle3Draft, max_length: int) -> None:
+def check_plantable(draft: Eagle3Draft, max_length: int) -> list[int]:
+    """The head dims that carry the match (`stable_rope_dims`), or a ConfigError saying why none can."""
     config = draft.config
     if config.hidden_size != config.target_hidden_size:
         raise ConfigError("init_copy_head: the draft's hidden size must be the target's (fc passes a layer through)")
@@ -49,6 +50,7 @@ def check_plantable(draft: Eagle3Draft, max_length: int) -> None:
             f"init_copy_head: only {len(dims)} head dims turn by less than {MAX_TURN} rad over max_length "
             f"{max_length} (rope_theta {config.rope_theta}); the match needs 8; use a shorter max_length"
         )
+    return dims
 
 
 def fit_probe(features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
@@ -67,10 +69,9 @@ def plant_copy_head(
     [N, num_aux * H] over the tokens `tokens` [N] they were computed at. The draft must have fc passing the last
     aux layer through (init_from_target). Returns the probe's accuracy: how often the code read back from the
     features names the current token among the whole vocab, on the last tenth of the samples."""
-    check_plantable(draft, max_length)
+    dims = check_plantable(draft, max_length)
     config = draft.config
     hidden, head_dim = config.hidden_size, config.head_dim
-    dims = stable_rope_dims(draft, max_length)
     rank = len(dims)
     embed = draft.embed_tokens.weight.float()
     normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)  # input_layernorm(E)
