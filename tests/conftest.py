@@ -106,6 +106,21 @@ def write_counting_conversations(path: Path, count: int = 12) -> Path:
     return path
 
 
+def random_llama_target(**config):
+    """A random float32 Llama of `LlamaConfig(**config)`, built after torch.manual_seed(0), as a TargetModel with
+    no tokenizer (pad 0, eos 1, no chat template): for tests that feed token ids themselves."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from wingspan.models.target import TargetModel
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).float()
+    return TargetModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "tiny-llama")
+
+
 def tiny_draft_config(**fields):
     """The DraftConfig of the tiny drafts tests build (hidden 32, 4 heads over 2 kv heads of 8, aux layers
     1-3), with `fields` (vocab sizes, depth, ...) set or replaced."""

@@ -1,11 +1,8 @@
 """init_copy_head: a draft planted with a copy head proposes what followed the input token's earlier occurrence."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from conftest import tiny_draft_config
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import random_llama_target, tiny_draft_config
 
 from wingspan.config import TrainConfig
 from wingspan.data.template import TokenizedConversation
@@ -25,8 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def target() -> TargetModel:
     """Tied embeddings, as SmolLM2's: lm_head reads a token's embedding direction as that token."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return random_llama_target(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -37,8 +33,6 @@ def target() -> TargetModel:
         max_position_embeddings=256,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(config).float()
-    return TargetModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "tiny-llama")
 
 
 def random_conversations(n: int, seed: int) -> list[TokenizedConversation]:

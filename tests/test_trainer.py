@@ -2,13 +2,11 @@
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import interrupted_copy
+from conftest import interrupted_copy, random_llama_target
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from wingspan.config import TrainConfig
 from wingspan.data.batching import collate, plan_epoch
@@ -35,8 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny_target() -> TargetModel:
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    target = random_llama_target(
         vocab_size=VOCAB,
         hidden_size=48,
         intermediate_size=96,
@@ -46,9 +43,8 @@ def tiny_target() -> TargetModel:
         max_position_embeddings=256,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(config).float()
-    model.model.norm.weight.data *= 10  # a confident target, so that matching it shows in the loss
-    return TargetModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "tiny-llama")
+    target.model.model.norm.weight.data *= 10  # a confident target, so that matching it shows in the loss
+    return target
 
 
 def sequences(n: int, length: int, seed: int = 0) -> list[TokenizedConversation]:
