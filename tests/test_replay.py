@@ -54,7 +54,8 @@ def test_replayed_rounds_are_the_decoders(target, references, layers, seed, favo
         rounds = {p.id: p.accepted_per_round for s in sets for p in s.prompts}
         drafted = {p.id: p.drafted_per_round for s in sets for p in s.prompts}
         matched = {p.id: p.lookup_matched for s in sets for p in s.prompts}
-        expected, expected_drafted, expected_matched = {}, {}, {}
+        firsts = {p.id: p.first_tokens for s in sets for p in s.prompts}
+        expected, expected_drafted, expected_matched, expected_firsts, positions = {}, {}, {}, {}, {}
         for item in references.items:
             prompt = item.tokens[: item.prompt_length].tolist()
             result = speculative_generate(target, draft, prompt, 20, num_draft_tokens=k)
@@ -63,9 +64,23 @@ def test_replayed_rounds_are_the_decoders(target, references, layers, seed, favo
             expected_drafted.setdefault(item.prompt_id, []).extend(result.drafted_per_round)
             outcomes = lookup_outcomes(prompt, result, 2, 4)
             expected_matched.setdefault(item.prompt_id, []).extend(o is not None for o in outcomes)
+            # at each round's start the first tokens are the decoder's: its first draft accepted, lookup's agreeing
+            start, produced = positions.get(item.prompt_id, 0), 1
+            for accepted_here, drafted_here, outcome in zip(
+                result.accepted_per_round, result.drafted_per_round, outcomes
+            ):
+                if drafted_here:
+                    lookup_hit = None if outcome is None else outcome >= 1
+                    expected_firsts[item.prompt_id, start + produced - 1] = (accepted_here >= 1, lookup_hit)
+                produced += accepted_here + 1
+            positions[item.prompt_id] = start + item.reply_length - 1
         assert rounds == expected, k
         assert drafted == expected_drafted, k
         assert matched == expected_matched and any(any(m) for m in matched.values())
+        assert {key: len(value) for key, value in firsts.items()} == positions
+        assert {key: firsts[key[0]][key[1]] for key in expected_firsts} == expected_firsts
+        assert any(hit for row in firsts.values() for hit, _ in row)
+        assert any(lookup is not None for row in firsts.values() for _, lookup in row)
         accepted += sum(sum(r) for r in rounds.values())
         beyond_first += sum(a >= 2 for r in rounds.values() for a in r)
         chat = sets[0]
@@ -149,6 +164,10 @@ def test_comparison_pairs_the_same_prompts(target, references):
     assert low <= rows[0]["tau"] <= high
     for row in rows:
         assert 0 < row["rounds_with_match"] < 1 and row["tau_with_match"] >= 1 and row["tau_without_match"] >= 1
+        assert 0 < row["positions_with_match"] < 1
+        assert all(
+            0 <= row[name] <= 1 for name in ("first_with_match", "lookup_first_with_match", "first_without_match")
+        )
     text = markdown(rows, references, "refs.safetensors", 3)
     assert "| good | " in text and "| chat | math |" in text
     json.dumps(rows)  # results.json takes them as they are

@@ -202,6 +202,10 @@ class ReplayedPrompt:
     # per round: whether prompt lookup would have proposed drafts there (the context ends in an n-gram seen
     # earlier in it, `wingspan.decode.lookup`), to split the draft's rounds as `wingspan eval` does
     lookup_matched: list[bool]
+    # per reply position a draft proposes at (every position, not only the rounds' starts, so that every draft
+    # is split on the same positions): whether its first token is the target's, and whether lookup's first
+    # token is (None: lookup proposes nothing there)
+    first_tokens: list[tuple[bool, bool | None]]
 
     @property
     def rounds(self) -> int:
@@ -233,6 +237,18 @@ def lookup_matches(
     return matched
 
 
+def first_token_hits(
+    hits: torch.Tensor, tokens: list[int], prompt_length: int, reply_length: int, sizes
+) -> list[tuple[bool, bool | None]]:
+    """(the draft's first token is right, lookup's first token is right or None) at every reply position after
+    the prefill's token: from origin i, both propose tokens[i + 2] from the context tokens[: i + 2]."""
+    outcomes = []
+    for origin in range(prompt_length - 1, prompt_length + reply_length - 2):
+        lookup = lookup_drafts(tokens[: origin + 2], 1, *sizes)
+        outcomes.append((bool(hits[0, origin]), lookup[0] == tokens[origin + 2] if lookup else None))
+    return outcomes
+
+
 def require_layers(aux_layer_ids: list[int], references: References, draft: str | Path = "the draft") -> None:
     if list(aux_layer_ids) != list(references.aux_layer_ids):
         raise ConfigError(
@@ -254,8 +270,10 @@ def replay(
             hits, item.prompt_length, item.reply_length, references.max_new_tokens, num_draft_tokens
         )
         key = (item.set_name, item.prompt_id)
-        row = per_prompt.setdefault(key, ReplayedPrompt(item.prompt_id, [], [], []))
-        row.lookup_matched += lookup_matches(item.tokens.tolist(), item.prompt_length, accepted, drafted, ngram_sizes)
+        row = per_prompt.setdefault(key, ReplayedPrompt(item.prompt_id, [], [], [], []))
+        tokens = item.tokens.tolist()
+        row.lookup_matched += lookup_matches(tokens, item.prompt_length, accepted, drafted, ngram_sizes)
+        row.first_tokens += first_token_hits(hits, tokens, item.prompt_length, item.reply_length, ngram_sizes)
         row.accepted_per_round += accepted
         row.drafted_per_round += drafted
     sets = []
@@ -277,6 +295,10 @@ def replay(
 
 
 # ------------------------------------------------------------------------------------------------- report
+
+
+def mean(flags: list[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
 
 
 def pooled(sets: list[ReplayedSet]) -> list[list[tuple[int, int]]]:
@@ -311,6 +333,13 @@ def comparison(drafts: dict[str, list[ReplayedSet]]) -> list[dict]:
         row["tau_with_match"] = acceptance_length(len(matched), sum(matched))
         unmatched = [a for a, m in rounds if not m]
         row["tau_without_match"] = acceptance_length(len(unmatched), sum(unmatched))
+        firsts = [f for result in sets for p in result.prompts for f in p.first_tokens]
+        with_match = [(draft, lookup) for draft, lookup in firsts if lookup is not None]
+        without = [draft for draft, lookup in firsts if lookup is None]
+        row["positions_with_match"] = len(with_match) / len(firsts) if firsts else None
+        row["first_with_match"] = mean([draft for draft, _ in with_match])
+        row["lookup_first_with_match"] = mean([lookup for _, lookup in with_match])
+        row["first_without_match"] = mean(without)
         if row["tau"] is not None:
             row["tau_interval"] = bootstrap_interval(strata, prompts_tau)
         if baseline is None:
@@ -344,8 +373,8 @@ def markdown(rows: list[dict], references: References, path: str, num_draft_toke
         f"up to {references.max_new_tokens} new tokens, {turns}, aux layers {references.aux_layer_ids}.",
         "",
         "| draft | " + " | ".join(names) + " | pooled tau [95%] | vs the first [paired 95%] | acceptance per position"
-        " | tau where lookup matches / elsewhere |",
-        "|---|" + "---:|" * len(names) + "---:|---:|---|---:|",
+        " | tau where lookup matches / elsewhere | first token where lookup matches (lookup's own) / elsewhere |",
+        "|---|" + "---:|" * len(names) + "---:|---:|---|---:|---:|",
     ]
     for row in rows:
         difference = (
@@ -357,6 +386,8 @@ def markdown(rows: list[dict], references: References, path: str, num_draft_toke
             + f" | {number(row['tau'])}{interval(row['tau_interval'])} | {difference} | "
             + " / ".join(f"{rate:.2f}" for rate in row["acceptance_per_position"])
             + f" | {number(row['tau_with_match'])} ({share(row['rounds_with_match'])} of rounds)"
-            + f" / {number(row['tau_without_match'])} |"
+            + f" / {number(row['tau_without_match'])}"
+            + f" | {number(row['first_with_match'], 2)} ({number(row['lookup_first_with_match'], 2)};"
+            + f" {share(row['positions_with_match'])} of positions) / {number(row['first_without_match'], 2)} |"
         )
     return "\n".join(lines) + "\n"
