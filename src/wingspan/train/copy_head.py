@@ -26,7 +26,7 @@ from wingspan.models.draft import Eagle3Draft
 
 CODE_SHARE = 0.4  # the code's norm in the residual against the last aux layer's
 MATCH_SHARPNESS = 10.0  # query scale: a match's attention score over a non-match's
-COPY_GAIN = 0.16  # o_proj's scale, times the last aux layer's mean norm: the copy outweighs the residual
+COPY_GAIN = 0.03  # o_proj's scale, times the last aux layer's mean norm (larger ones: more harm where nothing repeats)
 PROBE_RIDGE = 1e-2  # the probe's ridge, relative to the mean square of its inputs
 MAX_TURN = 1.0  # radians a RoPE pair carrying the match may turn over max_length
 
