@@ -226,17 +226,6 @@ class ReplayedSet:
     prompts: list[ReplayedPrompt]
 
 
-def lookup_matches(
-    tokens: list[int], prompt_length: int, accepted_per_round: list[int], drafted_per_round: list[int], sizes
-) -> list[bool]:
-    """Whether prompt lookup (n-gram lengths `sizes`) proposes drafts at the start of each round that drafted."""
-    position, matched = prompt_length + 1, []
-    for accepted, drafted in zip(accepted_per_round, drafted_per_round, strict=True):
-        matched.append(bool(drafted) and bool(lookup_drafts(tokens[:position], 1, *sizes)))
-        position += accepted + 1
-    return matched
-
-
 def first_token_hits(
     hits: torch.Tensor, tokens: list[int], prompt_length: int, reply_length: int, sizes
 ) -> list[tuple[bool, bool | None]]:
@@ -247,6 +236,18 @@ def first_token_hits(
         lookup = lookup_drafts(tokens[: origin + 2], 1, *sizes)
         outcomes.append((bool(hits[0, origin]), lookup[0] == tokens[origin + 2] if lookup else None))
     return outcomes
+
+
+def lookup_matches(
+    first_tokens: list[tuple[bool, bool | None]], accepted_per_round: list[int], drafted_per_round: list[int]
+) -> list[bool]:
+    """Whether prompt lookup proposes drafts at the start of each round that drafted, read off the reply's
+    positions (`first_token_hits`: a round after `produced` tokens starts at position produced - 1)."""
+    produced, matched = 1, []
+    for accepted, drafted in zip(accepted_per_round, drafted_per_round, strict=True):
+        matched.append(bool(drafted) and first_tokens[produced - 1][1] is not None)
+        produced += accepted + 1
+    return matched
 
 
 def require_layers(aux_layer_ids: list[int], references: References, draft: str | Path = "the draft") -> None:
@@ -271,9 +272,9 @@ def replay(
         )
         key = (item.set_name, item.prompt_id)
         row = per_prompt.setdefault(key, ReplayedPrompt(item.prompt_id, [], [], [], []))
-        tokens = item.tokens.tolist()
-        row.lookup_matched += lookup_matches(tokens, item.prompt_length, accepted, drafted, ngram_sizes)
-        row.first_tokens += first_token_hits(hits, tokens, item.prompt_length, item.reply_length, ngram_sizes)
+        first_tokens = first_token_hits(hits, item.tokens.tolist(), item.prompt_length, item.reply_length, ngram_sizes)
+        row.lookup_matched += lookup_matches(first_tokens, accepted, drafted)
+        row.first_tokens += first_tokens
         row.accepted_per_round += accepted
         row.drafted_per_round += drafted
     sets = []
