@@ -10,8 +10,8 @@ from wingspan.errors import ConfigError
 from wingspan.eval.replay import draft_hits
 from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
-from wingspan.train.copy_head import check_plantable
-from wingspan.train.trainer import train
+from wingspan.train.copy_head import check_plantable, plant_copy_head
+from wingspan.train.trainer import build_draft, train
 
 VOCAB = 512
 LENGTH = 64
@@ -92,3 +92,51 @@ def test_the_match_needs_head_dims_that_rope_barely_turns():
 def test_a_copy_head_is_planted_in_a_new_draft_from_the_target_only(other):
     with pytest.raises(ConfigError, match="init_copy_head: plants a head in a new draft"):
         TrainConfig(init_copy_head=True, **other)
+
+
+def synthetic_features(target: TargetModel, tokens: torch.Tensor, sink: bool, seed: int) -> torch.Tensor:
+    """Aux features [rows * LENGTH, 3H] of rows of LENGTH tokens, shaped as a real target's: layer 0 is the
+    embeddings, the last layer has a near-constant dim and noise, and (`sink`) each row's first position has an
+    outsized activation, the target's attention sink."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = target.hidden_size
+    embeddings = target.embed_weight().float()[tokens]
+    middle = torch.randn(len(tokens), hidden, generator=g)
+    last = torch.randn(len(tokens), hidden, generator=g)
+    last[:, 0] += 8  # a dim that hardly varies (as massive activations do)
+    if sink:
+        last[::LENGTH, 1] += 300
+    return torch.cat([embeddings, middle, last], dim=1)
+
+
+def copy_head_loudness(target: TargetModel, sink: bool) -> tuple[float, float]:
+    """The planted head's output (its first query head's share of o_proj's input) on fresh text, then on its
+    repeat, with features that have a sink or none."""
+    config = TrainConfig(aux_layer_ids=[0, 1, 2], init_copy_head=True, max_length=LENGTH, target_dtype="float32")
+    d2t, t2d = torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool)
+    draft = build_draft(target, config, d2t, t2d)
+    draft.config.aux_layer_ids = [0, 1, 2]  # the features' order below (the tiny target's own is [2, 1, 0])
+    samples = torch.randint(4, VOCAB, (64, LENGTH), generator=torch.Generator().manual_seed(1))
+    samples[:, :2] = torch.tensor([2, 3])  # every row opens as a chat template's does
+    samples = samples.flatten()
+    _, sinks = plant_copy_head(
+        draft, synthetic_features(target, samples, sink, seed=2), samples, LENGTH, torch.Generator().manual_seed(0)
+    )
+    assert sinks == (64 if sink else 0)
+    half = torch.randint(4, VOCAB, (LENGTH // 2,), generator=torch.Generator().manual_seed(7))
+    half[:2] = torch.tensor([2, 3])
+    tokens = torch.cat([half, half])
+    heads = []
+    hook = draft.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda _, args: heads.append(args[0]))
+    draft_hits(draft, tokens, synthetic_features(target, tokens, sink, seed=3), 1)
+    hook.remove()
+    loudness = heads[0][0, :, : draft.config.head_dim].norm(dim=-1)
+    return float(loudness[2 : LENGTH // 2 - 1].mean()), float(loudness[LENGTH // 2 :].mean())
+
+
+def test_where_nothing_matches_the_head_rests_on_the_sink(target):
+    """With a sink in the features the head is quieter where nothing matches (about half as loud here: a
+    non-match outscores the sink at some positions) and as loud where the repeat matches as without one."""
+    fresh, repeated = copy_head_loudness(target, sink=True)
+    fresh_without, repeated_without = copy_head_loudness(target, sink=False)
+    assert fresh < 0.65 * fresh_without and repeated > 0.9 * repeated_without, (fresh, fresh_without)

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -148,6 +149,26 @@ def test_a_draft_reading_other_layers_is_refused(target, references):
     draft.config.aux_layer_ids = [0, 1, 2]
     with pytest.raises(ConfigError, match=r"aux layers \[0, 1, 2\]"):
         replay(draft, references, 3)
+
+
+def test_references_may_hold_more_layers_than_a_draft_reads(target, references):
+    """Layers stored in another order, with one the draft does not read (noise): the draft reads its own columns."""
+    draft = make_draft(target, 1, seed=12, favour=6.0)
+    ids = references.aux_layer_ids
+    hidden = references.items[0].aux.shape[1] // len(ids)
+    noise = torch.Generator().manual_seed(0)
+
+    def reordered(aux: torch.Tensor) -> torch.Tensor:
+        slots = aux.split(hidden, dim=1)
+        return torch.cat([slots[2], torch.randn(aux.shape[0], hidden, generator=noise), slots[0], slots[1]], dim=1)
+
+    items = [replace(item, aux=reordered(item.aux)) for item in references.items]
+    wider = replace(references, aux_layer_ids=[ids[2], 99, ids[0], ids[1]], items=items)
+    expected = replay(draft, references, 3)
+    assert [s.acceptance_length for s in replay(draft, wider, 3)] == [s.acceptance_length for s in expected]
+    assert [p.accepted_per_round for s in replay(draft, wider, 3) for p in s.prompts] == [
+        p.accepted_per_round for s in expected for p in s.prompts
+    ]
 
 
 def test_comparison_pairs_the_same_prompts(target, references):

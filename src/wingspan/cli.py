@@ -598,7 +598,7 @@ def replay_score(
     import json
 
     from wingspan.devices import resolve_device, use_cpu_threads
-    from wingspan.eval.replay import References, comparison, markdown, replay, require_layers
+    from wingspan.eval.replay import References, comparison, layer_columns, markdown, replay
     from wingspan.eval.runner import load_draft, read_draft_config, require_fit
     from wingspan.files import write_text_atomically
     from wingspan.models.target import TargetModel
@@ -610,7 +610,7 @@ def replay_score(
     # Every draft is read and checked before the scoring starts (its layers before the target loads).
     configs = [read_draft_config(directory) for directory in draft]
     for directory, config in zip(draft, configs, strict=True):
-        require_layers(config.aux_layer_ids, loaded, directory)
+        layer_columns(config.aux_layer_ids, loaded, directory)
     where = resolve_device(device)
     use_cpu_threads(where, threads)
     model = TargetModel.load(loaded.target, dtype=loaded.dtype, aux_layer_ids=loaded.aux_layer_ids, device=where)

@@ -22,8 +22,12 @@ if TYPE_CHECKING:
 QUICKSTART_RECIPE = dict(
     target="smollm2-135m-instruct",
     target_dtype="bfloat16",
+    # The embeddings (aux id 0) in place of layer 2's features: the planted copy head's key then names each
+    # position's token exactly (docs/results/recipe.md, "The embeddings as an aux layer").
+    aux_layer_ids=[0, 15, 27],
     num_hidden_layers=2,
     draft_vocab_size=8192,
+    init_copy_head=True,
     max_length=1024,
     batch_tokens=2048,
     # The recipe's figures (docs/quickstart.md) were measured with padded micro-batches; on its short

@@ -250,12 +250,19 @@ def lookup_matches(
     return matched
 
 
-def require_layers(aux_layer_ids: list[int], references: References, draft: str | Path = "the draft") -> None:
-    if list(aux_layer_ids) != list(references.aux_layer_ids):
+def layer_columns(aux_layer_ids: list[int], references: References, draft: str | Path = "the draft") -> torch.Tensor:
+    """The columns of the references' aux features that a draft reading `aux_layer_ids` takes, in its order: the
+    references may hold more layers than the draft reads, so that drafts reading different layers are scored on
+    the same replies."""
+    missing = [layer for layer in aux_layer_ids if layer not in references.aux_layer_ids]
+    if missing:
         raise ConfigError(
             f"{draft} reads aux layers {list(aux_layer_ids)}; the references hold {references.aux_layer_ids} "
-            "(build references with the draft's layers: --aux-layer-ids)"
+            "(build references with the draft's layers, or more: --aux-layer-ids)"
         )
+    hidden = references.items[0].aux.shape[1] // len(references.aux_layer_ids)
+    slots = [references.aux_layer_ids.index(layer) for layer in aux_layer_ids]
+    return torch.cat([torch.arange(slot * hidden, (slot + 1) * hidden) for slot in slots])
 
 
 def replay(
@@ -263,10 +270,10 @@ def replay(
 ) -> list[ReplayedSet]:
     """Every reference's rounds for `draft` (a chain, or a parallel draft's one forward a round), gathered per
     prompt (its turns together) and per set, with where prompt lookup of `ngram_sizes` would have proposed."""
-    require_layers(draft.config.aux_layer_ids, references)
+    columns = layer_columns(draft.config.aux_layer_ids, references)
     per_prompt: dict[tuple[str, str], ReplayedPrompt] = {}
     for item in references.items:
-        hits = draft_hits(draft, item.tokens, item.aux, num_draft_tokens)
+        hits = draft_hits(draft, item.tokens, item.aux[:, columns], num_draft_tokens)
         accepted, drafted = replay_rounds(
             hits, item.prompt_length, item.reply_length, references.max_new_tokens, num_draft_tokens
         )

@@ -320,8 +320,13 @@ def prepare_draft(
         if copy_samples is None:
             raise ValueError("prepare_draft: init_copy_head needs copy_samples (copy_head_samples)")
         generator = torch.Generator().manual_seed(config.seed)
-        accuracy = plant_copy_head(draft, *copy_samples, config.max_length, generator)
-        print0(f"init_copy_head: a copy head planted in layer 0 (its probe names the current token {accuracy:.0%})")
+        accuracy, sinks = plant_copy_head(draft, *copy_samples, config.max_length, generator)
+        rest = (
+            f"it rests on the target's attention sink ({sinks} of the samples)" if sinks else "no attention sink found"
+        )
+        print0(
+            f"init_copy_head: a copy head planted in layer 0 (its probe names the current token {accuracy:.0%}; {rest})"
+        )
     draft = draft.to(device)
     if checkpoint:
         draft.load_trainable_state(checkpoint.weights, source=str(checkpoint.path))
