@@ -125,14 +125,15 @@ def test_vllm_serves_the_speculators_export(default_target_dir, trained_draft_di
 
 def test_quickstart_draft_speeds_up_mt_bench(mt_bench_bf16):
     """The main job's promise: served by vLLM with 3 speculative tokens, greedy, in the training dtype
-    (bf16), the quickstart draft reaches acceptance length >= 1.3 on MT-bench first turns."""
+    (bf16), the quickstart draft reaches acceptance length >= 1.45 on MT-bench first turns (measured: 1.533,
+    docs/quickstart.md; the margin is for machines whose bf16 kernels synthesize other conversations)."""
     result = mt_bench_bf16
     assert result["num_prompts"] == 80
     print(
         f"vLLM acceptance length on MT-bench: {result['acceptance_length']:.3f}, per position "
         f"{result['acceptance_rate_per_position']}"
     )
-    assert result["acceptance_length"] >= 1.3
+    assert result["acceptance_length"] >= 1.45
 
 
 def test_wingspan_chain_tau_agrees_with_vllm(mt_bench_bf16, default_target_dir, trained_draft_dir):
