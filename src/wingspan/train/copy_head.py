@@ -181,7 +181,8 @@ def plant_sink(
     attn.k_proj.weight[sink_dim, hidden:] = (sink_score * head_dim**0.5 / at_sink * key_reads).float()
     for head in range(config.num_attention_heads // config.num_key_value_heads):
         attn.q_proj.weight[head * head_dim + sink_dim, hidden:] = query_reads.float()
-    # a sink's value reads its input token's embedding like any position's: cancel it
+    # a sink's value reads its input token's embedding like any position's; that token is the chat template's
+    # second, the same in every row: cancel their mean
     after_sinks = tokens[1:][sinks[:-1]]
     carried = (normed[after_sinks] @ attn.v_proj.weight[:head_dim, :hidden].T).mean(0)
     attn.v_proj.weight[:head_dim, hidden:] -= torch.outer(carried, key_reads.float())
