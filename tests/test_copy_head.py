@@ -112,10 +112,10 @@ def synthetic_features(target: TargetModel, tokens: torch.Tensor, sink: bool, se
 def copy_head_loudness(target: TargetModel, sink: bool) -> tuple[float, float]:
     """The planted head's output (its first query head's share of o_proj's input) on fresh text, then on its
     repeat, with features that have a sink or none."""
-    config = TrainConfig(aux_layer_ids=[0, 1, 2], init_copy_head=True, max_length=LENGTH, target_dtype="float32")
+    config = TrainConfig(init_copy_head=True, max_length=LENGTH, target_dtype="float32")
     d2t, t2d = torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool)
-    draft = build_draft(target, config, d2t, t2d)
-    draft.config.aux_layer_ids = [0, 1, 2]  # the features' order below (the tiny target's own is [2, 1, 0])
+    draft = build_draft(target, config, d2t, t2d)  # it reads the target's aux layers, [2, 1, 0] here
+    draft.config.aux_layer_ids = [0, 1, 2]  # the features' order below
     samples = torch.randint(4, VOCAB, (64, LENGTH), generator=torch.Generator().manual_seed(1))
     samples[:, :2] = torch.tensor([2, 3])  # every row opens as a chat template's does
     samples = samples.flatten()
