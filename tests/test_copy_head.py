@@ -10,8 +10,8 @@ from wingspan.errors import ConfigError
 from wingspan.eval.replay import draft_hits
 from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
-from wingspan.train.copy_head import check_plantable, plant_copy_head
-from wingspan.train.trainer import build_draft, train
+from wingspan.train.copy_head import check_plantable, plant_copy_head, with_copy_head_default
+from wingspan.train.trainer import build_draft, draft_config_for, train
 
 VOCAB = 512
 LENGTH = 64
@@ -83,7 +83,7 @@ def test_the_match_needs_head_dims_that_rope_barely_turns():
     with pytest.raises(
         ConfigError, match="init_copy_head: only 2 head dims turn by less than 1.0 rad over max_length 512"
     ):
-        check_plantable(draft, 512)
+        check_plantable(draft.config, 512)
 
 
 @pytest.mark.parametrize(
@@ -92,6 +92,23 @@ def test_the_match_needs_head_dims_that_rope_barely_turns():
 def test_a_copy_head_is_planted_in_a_new_draft_from_the_target_only(other):
     with pytest.raises(ConfigError, match="init_copy_head: plants a head in a new draft"):
         TrainConfig(init_copy_head=True, **other)
+
+
+def test_an_unset_copy_head_is_planted_where_a_new_chain_draft_can_hold_one(target, capsys):
+    def chosen(**settings) -> bool:
+        config = TrainConfig(**{"max_length": LENGTH, **settings})
+        return with_copy_head_default(config, draft_config_for(target, config, VOCAB, VOCAB)).init_copy_head
+
+    assert chosen() is True
+    assert "init_copy_head: on, the default for a new draft" in capsys.readouterr().out
+    assert chosen(draft_mode="parallel") is False
+    assert chosen(init_from="runs/x/draft") is False
+    assert chosen(init_layers_from_target=True) is False
+    assert (
+        chosen(max_length=100_000, batch_tokens=100_000) is False
+    )  # no RoPE pair of head_dim 32 stays still over that length
+    assert "off, only 0 head dims turn by less than 1.0 rad over max_length 100000" in capsys.readouterr().out
+    assert chosen(init_copy_head=False) is False
 
 
 def synthetic_features(target: TargetModel, tokens: torch.Tensor, sink: bool, seed: int) -> torch.Tensor:

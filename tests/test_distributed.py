@@ -194,7 +194,9 @@ def test_torchrun_trains_from_a_dump_like_one_process(target_dir, conversations,
     assert result.stdout.count("draft: ") == 1  # rank 0 alone reports
     assert "some ranks run a zero-weight micro-batch" in result.stdout
     two = tmp_path / "two"
-    assert json.loads((two / "config.json").read_text()) == to_dict(dataclasses.replace(config, from_dump=str(dump)))
+    # an unset init_copy_head is chosen when the run starts: off, this target's head dims all turn too fast
+    recorded = dataclasses.replace(config, from_dump=str(dump), init_copy_head=False)
+    assert json.loads((two / "config.json").read_text()) == to_dict(recorded)
     torch.testing.assert_close(curve(two), curve(one), rtol=LOSS_RTOL, atol=0)
     assert_same_weights(two / "draft", one / "draft")
 

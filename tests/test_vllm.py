@@ -169,6 +169,7 @@ def parallel_draft_dir(quickstart_dir, tmp_path_factory) -> Path:
         recipe,
         output_dir=str(out / "run"),
         init_from=str(quickstart_dir / "run" / "draft"),
+        init_copy_head=None,  # the draft it starts from brings the quickstart's planted head, trained
         draft_mode="parallel",
         num_parallel_tokens=3,
         ttt_steps=TrainConfig.ttt_steps,  # the chain setting, which a parallel draft leaves at its default

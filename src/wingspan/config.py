@@ -331,9 +331,10 @@ class TrainConfig:
     # draft layer i starts as the target's layer (last aux id + i), the layer the last aux feature enters (a
     # layer reading the embeddings too gets zeros for them); Llama-shaped target layers only
     init_layers_from_target: bool = False
-    # layer 0 starts with a copy (induction) head: what followed the last occurrence of the input token, as
-    # prompt lookup proposes (wingspan.train.copy_head); needs init_from_target, and a draft as wide as the target
-    init_copy_head: bool = False
+    # layer 0 starts with a copy (induction) head: what followed an earlier occurrence of the input token, as
+    # prompt lookup proposes (wingspan.train.copy_head); needs init_from_target, and a draft as wide as the target.
+    # Unset: on for a new chain draft that can hold it, off otherwise (chosen when the run starts, and recorded)
+    init_copy_head: bool | None = None
     # a wingspan draft directory (a run's draft, a checkpoint, `wingspan import`'s output) whose weights and
     # vocab the training starts from, with a fresh optimizer; its shape must be the run's
     init_from: str | None = None

@@ -25,10 +25,14 @@ they were set on the default target (docs/results/recipe.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from wingspan.config import DraftConfig, TrainConfig
 from wingspan.errors import ConfigError
-from wingspan.models.draft import Eagle3Draft
+from wingspan.models.draft import Eagle3Draft, rope_frequencies
+from wingspan.train.distributed import print0
 
 CODE_SHARE = 0.4  # the code's norm in the residual against the last aux layer's
 MATCH_SHARPNESS = 10.0  # query scale: a match's attention score over a non-match's
@@ -39,26 +43,45 @@ SINK_NORM = 10.0  # a sink position's last-aux norm, times the median position's
 MAX_TURN = 1.0  # radians a RoPE pair carrying the match may turn over max_length
 
 
-def stable_rope_dims(draft: Eagle3Draft, max_length: int) -> list[int]:
+def stable_rope_dims(config: DraftConfig, max_length: int) -> list[int]:
     """The head dims (rotate-half pairs d and d + head_dim / 2) whose rotation over `max_length` positions stays
     within MAX_TURN."""
-    half = draft.config.head_dim // 2
-    pairs = [d for d in range(half) if float(draft.inverse_frequencies[d]) * max_length <= MAX_TURN]
+    half = config.head_dim // 2
+    inverse_frequencies = rope_frequencies(config)[0]
+    pairs = [d for d in range(half) if float(inverse_frequencies[d]) * max_length <= MAX_TURN]
     return pairs + [d + half for d in pairs]
 
 
-def check_plantable(draft: Eagle3Draft, max_length: int) -> list[int]:
+def check_plantable(config: DraftConfig, max_length: int) -> list[int]:
     """The head dims that carry the match (`stable_rope_dims`), or a ConfigError saying why none can."""
-    config = draft.config
     if config.hidden_size != config.target_hidden_size:
         raise ConfigError("init_copy_head: the draft's hidden size must be the target's (fc passes a layer through)")
-    dims = stable_rope_dims(draft, max_length)
+    dims = stable_rope_dims(config, max_length)
     if len(dims) < 8:
         raise ConfigError(
             f"init_copy_head: only {len(dims)} head dims turn by less than {MAX_TURN} rad over max_length "
             f"{max_length} (rope_theta {config.rope_theta}); the match needs 8; use a shorter max_length"
         )
     return dims
+
+
+def with_copy_head_default(config: TrainConfig, draft_config: DraftConfig) -> TrainConfig:
+    """`config` with an unset `init_copy_head` chosen for the run (printed): on for a new chain draft started from
+    the target that can hold the head, the measured recipe (docs/training.md, "Defaults"); off otherwise."""
+    if config.init_copy_head is not None:
+        return config
+    if config.draft_mode == "parallel":
+        refusal = "a parallel draft, where it was not measured"
+    elif config.init_from or config.init_layers_from_target or not config.init_from_target:
+        refusal = "the draft does not start from the target alone (init_from, init_layers_from_target)"
+    else:
+        try:
+            check_plantable(draft_config, config.max_length)
+            refusal = None
+        except ConfigError as error:
+            refusal = str(error).removeprefix("init_copy_head: ")
+    print0(f"init_copy_head: {'off, ' + refusal if refusal else 'on, the default for a new draft'}")
+    return dataclasses.replace(config, init_copy_head=refusal is None)
 
 
 def fit_probe(features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
@@ -91,7 +114,7 @@ def plant_copy_head(
     lowest = config.aux_layer_ids.index(min(config.aux_layer_ids))
     low, last = aux[:, lowest * hidden : (lowest + 1) * hidden], aux[:, -hidden:]
     sinks = sink_positions(last)
-    dims = check_plantable(draft, max_length)
+    dims = check_plantable(config, max_length)
     if sinks.any():  # the slowest-turning pair carries the sink's score
         sink_dim = dims[len(dims) // 2 - 1]
         dims = [d for d in dims if d not in (sink_dim, sink_dim + head_dim // 2)]

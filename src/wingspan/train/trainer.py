@@ -34,7 +34,7 @@ from wingspan.models.draft import Eagle3Draft, write_draft
 from wingspan.models.families import rope_parameters
 from wingspan.trackers import WANDB_RUN_ID, Trackers
 from wingspan.train.checkpoint import Checkpoint, checkpoint_directories, resume_point, save_checkpoint
-from wingspan.train.copy_head import plant_copy_head
+from wingspan.train.copy_head import plant_copy_head, with_copy_head_default
 from wingspan.train.distributed import (
     World,
     clip_grad_norm_,
@@ -563,6 +563,7 @@ def train(
     """
     world = current_world()
     config = with_defaults(config, target.hidden_size, sum(len(s.input_ids) for s in sequences))
+    config = with_copy_head_default(config, draft_config_for(target, config, t2d.numel(), d2t.numel()))
     features = features or OnlineFeatures(target, d2t)
     run_dir = Path(config.output_dir)
     run_record = describe_run(config, target, sequences, d2t, t2d)
