@@ -1,5 +1,6 @@
 """What a copy head could reach on the target's own replies: the figures behind the copy head's design
-(docs/results/recipe.md, "Why the copy head still missed" and "Two tokens matched").
+(docs/results/recipe.md: "Why the copy head still missed", "What a copy head could reach" and "Where the 12
+points go").
 
 Reads a `wingspan replay references` file (the target's greedy replies with its aux features) and the target's
 embeddings; no draft is involved. At every reply position where prompt lookup (vLLM's rule, n = 2..4) proposes,
@@ -8,10 +9,13 @@ it prints how often the next token is the one after an earlier occurrence of the
 - an ideal planted head: softmax attention over codes of exact embeddings (a random `--rank`-dim code of each
   token, as the copy head's), matching the last token alone or the last two (the two codes added), whose
   attention weights vote for the tokens that followed.
+With `--draft DIR` (repeatable) it sets each draft's first token (step 0 of its unroll) beside the vote at the
+same positions: how often both, either or neither is right, and where only the vote is, whether the draft's
+vocab holds the token and how the draft ranks it; a draft that followed its copy head there would be right.
 It then prints how well a ridge probe of each aux layer names a position's current and previous token (through
 the whole hidden state and through a `--rank`-dim code), fitted on the first three quarters of the replies.
 
-    python bench/copy_limits.py --references runs/refs-20-l4.safetensors
+    python bench/copy_limits.py --references runs/refs-20-l4.safetensors [--draft runs/qs/run/draft]
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from collections import Counter
 import torch
 
 from wingspan.decode.lookup import lookup_drafts
-from wingspan.eval.replay import References
+from wingspan.eval.replay import References, layer_columns
+from wingspan.eval.runner import load_draft
+from wingspan.models.draft import Eagle3Draft
 from wingspan.models.target import TargetModel
 from wingspan.train.copy_head import fit_probe
+from wingspan.train.ttt import unroll
 
 NGRAM_SIZES = (2, 4)
 SHARPNESS = 20.0  # the ideal head's score scale over a code's squared norm: a match outweighs all else
@@ -39,8 +46,28 @@ def random_code(rows: int, columns: int, seed: int) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(columns, rows, generator=torch.Generator().manual_seed(seed)))[0].T
 
 
-def rule_hits(tokens: list[int], prompt_length: int, codes: dict[str, torch.Tensor]) -> Counter:
-    """For each reply position whose context lookup matches: which rules name the next token."""
+@torch.no_grad()
+def first_token_scores(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """[T, V] the draft's step-0 logits over the target's vocab (-inf outside its own) at the T positions `aux`
+    covers: origin i proposes tokens[i + 2]."""
+    length = aux.shape[0]
+    hidden = next(
+        unroll(draft, aux[None].to(draft.fc.weight.dtype), tokens[None, :length], torch.arange(length)[None], 1)
+    )
+    logits = draft.logits(hidden[0]).float()
+    scores = torch.full((length, draft.config.vocab_size), float("-inf"))
+    scores[:, draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))] = logits
+    return scores
+
+
+def rule_hits(
+    tokens: list[int],
+    prompt_length: int,
+    codes: dict[str, torch.Tensor],
+    drafts: dict[str, torch.Tensor] | None = None,
+) -> Counter:
+    """For each reply position whose context lookup matches: which rules name the next token; for each draft
+    (its `first_token_scores`), its first token against the vote's."""
     hits: Counter = Counter()
     for end in range(prompt_length, len(tokens) - 1):  # the context is tokens[: end + 1], the truth tokens[end + 1]
         context, truth = tokens[: end + 1], tokens[end + 1]
@@ -50,9 +77,29 @@ def rule_hits(tokens: list[int], prompt_length: int, codes: dict[str, torch.Tens
         hits["positions"] += 1
         hits["lookup (n = 2..4, vLLM's rule)"] += lookup[0] == truth
         followers = [context[m + 1] for m in range(end) if context[m] == context[end]]
+        vote = Counter(followers).most_common(1)[0][0] if followers else None
         if followers:
             hits["last token, most recent occurrence"] += followers[-1] == truth
-            hits["last token, vote over occurrences"] += Counter(followers).most_common(1)[0][0] == truth
+            hits["last token, vote over occurrences"] += vote == truth
+        for name, scores in (drafts or {}).items():
+            drafted = int(scores[end - 1].argmax()) == truth
+            voted = vote == truth
+            hits[
+                (
+                    name,
+                    "both right"
+                    if drafted and voted
+                    else "draft only"
+                    if drafted
+                    else "vote only"
+                    if voted
+                    else "neither",
+                )
+            ] += 1
+            if voted and not drafted:
+                score = scores[end - 1, truth]
+                hits[(name, "vote only: not in the draft's vocab")] += bool(score == float("-inf"))
+                hits[(name, "vote only: the draft ranks it 2nd-5th")] += int((scores[end - 1] > score).sum()) < 5
         for name, code in codes.items():
             scores = code[:end] @ code[end] * (SHARPNESS / float(code[end].pow(2).sum()))
             votes = torch.zeros(int(max(tokens)) + 1).index_add_(0, torch.tensor(context[1:]), scores.softmax(0))
@@ -79,11 +126,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--references", required=True, help="a `wingspan replay references` file")
     parser.add_argument("--rank", type=int, default=20, help="the code's dims (the copy head's: about 20)")
+    parser.add_argument("--draft", action="append", default=[], help="a draft to set beside the vote (repeatable)")
     args = parser.parse_args()
 
     references = References.load(args.references)
     target = TargetModel.load(references.target, dtype="float32", device="cpu")
     embeddings = normed_embeddings(target)
+    drafts = {name: load_draft(name, target) for name in args.draft}
     one, two = (random_code(args.rank, embeddings.shape[1], seed) for seed in (1, 2))
 
     hits: Counter = Counter()
@@ -94,11 +143,23 @@ def main() -> None:
         pair = last.clone()
         pair[1:] += coded[:-1] @ two.T
         codes = {"ideal head, last token": last, "ideal head, last two tokens": pair}
-        hits += rule_hits(tokens, item.prompt_length, codes)
+        scores = {
+            name: first_token_scores(
+                draft, item.tokens, item.aux[:, layer_columns(draft.config.aux_layer_ids, references, name)]
+            )
+            for name, draft in drafts.items()
+        }
+        hits += rule_hits(tokens, item.prompt_length, codes, scores)
     positions = hits.pop("positions")
     print(f"{len(references.items)} replies, {positions} reply positions where lookup proposes; the next token is")
     for name, count in hits.items():
-        print(f"  {name:<40} {count / positions:6.1%}")
+        if isinstance(name, str):
+            print(f"  {name:<40} {count / positions:6.1%}")
+    for name in drafts:
+        print(f"{name}: its first token against the vote over 1-token matches, at the same positions")
+        for key, count in hits.items():
+            if isinstance(key, tuple) and key[0] == name:
+                print(f"  {key[1]:<40} {count / positions:6.1%}")
 
     hidden = embeddings.shape[1]
     # positions 1 .. len - 2: each has a previous token, and features (a reply's stop token may have none)
