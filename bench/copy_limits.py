@@ -35,6 +35,15 @@ from wingspan.train.ttt import unroll
 
 NGRAM_SIZES = (2, 4)
 SHARPNESS = 20.0  # the ideal head's score scale over a code's squared norm: a match outweighs all else
+# (the draft's first token right, the vote right) -> the row it counts in
+OUTCOMES = {
+    (True, True): "both right",
+    (True, False): "the draft only",
+    (False, True): "the vote only",
+    (False, False): "neither",
+}
+OUT_OF_VOCAB = "the vote only: not in the draft's vocab"
+RANKED_2_TO_5 = "the vote only: the draft ranks it 2nd-5th"
 
 
 def normed_embeddings(target: TargetModel) -> torch.Tensor:
@@ -81,25 +90,13 @@ def rule_hits(
         if followers:
             hits["last token, most recent occurrence"] += followers[-1] == truth
             hits["last token, vote over occurrences"] += vote == truth
-        for name, scores in (drafts or {}).items():
-            drafted = int(scores[end - 1].argmax()) == truth
-            voted = vote == truth
-            hits[
-                (
-                    name,
-                    "both right"
-                    if drafted and voted
-                    else "draft only"
-                    if drafted
-                    else "vote only"
-                    if voted
-                    else "neither",
-                )
-            ] += 1
+        for name, draft_scores in (drafts or {}).items():
+            here = draft_scores[end - 1]
+            drafted, voted = int(here.argmax()) == truth, vote == truth
+            hits[(name, OUTCOMES[drafted, voted])] += 1
             if voted and not drafted:
-                score = scores[end - 1, truth]
-                hits[(name, "vote only: not in the draft's vocab")] += bool(score == float("-inf"))
-                hits[(name, "vote only: the draft ranks it 2nd-5th")] += int((scores[end - 1] > score).sum()) < 5
+                hits[(name, OUT_OF_VOCAB)] += bool(here[truth] == float("-inf"))
+                hits[(name, RANKED_2_TO_5)] += int((here > here[truth]).sum()) < 5
         for name, code in codes.items():
             scores = code[:end] @ code[end] * (SHARPNESS / float(code[end].pow(2).sum()))
             votes = torch.zeros(int(max(tokens)) + 1).index_add_(0, torch.tensor(context[1:]), scores.softmax(0))
@@ -157,9 +154,8 @@ def main() -> None:
             print(f"  {name:<40} {count / positions:6.1%}")
     for name in drafts:
         print(f"{name}: its first token against the vote over 1-token matches, at the same positions")
-        for key, count in hits.items():
-            if isinstance(key, tuple) and key[0] == name:
-                print(f"  {key[1]:<40} {count / positions:6.1%}")
+        for outcome in [*OUTCOMES.values(), OUT_OF_VOCAB, RANKED_2_TO_5]:
+            print(f"  {outcome:<45} {hits[name, outcome] / positions:6.1%}")
 
     hidden = embeddings.shape[1]
     # positions 1 .. len - 2: each has a previous token, and features (a reply's stop token may have none)
