@@ -12,10 +12,13 @@ it prints how often the next token is the one after an earlier occurrence of the
 With `--draft DIR` (repeatable) it sets each draft's first token (step 0 of its unroll) beside the vote at the
 same positions: how often both, either or neither is right, and where only the vote is, whether the draft's
 vocab holds the token and how the draft ranks it; a draft that followed its copy head there would be right.
+For each draft's vocab, and each `--vocab FILE` (a `wingspan vocab` output), it prints the share of the reply
+tokens, per set, that the vocab does not hold: tokens no draft with that vocab can propose.
 It then prints how well a ridge probe of each aux layer names a position's current and previous token (through
 the whole hidden state and through a `--rank`-dim code), fitted on the first three quarters of the replies.
 
-    python bench/copy_limits.py --references runs/refs-20-l4.safetensors [--draft runs/qs/run/draft]
+    python bench/copy_limits.py --references runs/refs-20-l4.safetensors [--draft runs/qs/run/draft] \
+        [--vocab runs/abl/vocab-16384.safetensors]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections import Counter
 
 import torch
 
+from wingspan.data.vocab import DraftVocab
 from wingspan.decode.lookup import lookup_drafts
 from wingspan.eval.replay import References, layer_columns
 from wingspan.eval.runner import load_draft
@@ -124,12 +128,14 @@ def main() -> None:
     parser.add_argument("--references", required=True, help="a `wingspan replay references` file")
     parser.add_argument("--rank", type=int, default=20, help="the code's dims (the copy head's: about 20)")
     parser.add_argument("--draft", action="append", default=[], help="a draft to set beside the vote (repeatable)")
+    parser.add_argument("--vocab", action="append", default=[], help="a draft vocab file to check (repeatable)")
     args = parser.parse_args()
 
     references = References.load(args.references)
     target = TargetModel.load(references.target, dtype="float32", device="cpu")
     embeddings = normed_embeddings(target)
     drafts = {name: load_draft(name, target) for name in args.draft}
+    columns = {name: layer_columns(draft.config.aux_layer_ids, references, name) for name, draft in drafts.items()}
     one, two = (random_code(args.rank, embeddings.shape[1], seed) for seed in (1, 2))
 
     hits: Counter = Counter()
@@ -141,10 +147,7 @@ def main() -> None:
         pair[1:] += coded[:-1] @ two.T
         codes = {"ideal head, last token": last, "ideal head, last two tokens": pair}
         scores = {
-            name: first_token_scores(
-                draft, item.tokens, item.aux[:, layer_columns(draft.config.aux_layer_ids, references, name)]
-            )
-            for name, draft in drafts.items()
+            name: first_token_scores(draft, item.tokens, item.aux[:, columns[name]]) for name, draft in drafts.items()
         }
         hits += rule_hits(tokens, item.prompt_length, codes, scores)
     positions = hits.pop("positions")
@@ -156,6 +159,19 @@ def main() -> None:
         print(f"{name}: its first token against the vote over 1-token matches, at the same positions")
         for outcome in [*OUTCOMES.values(), OUT_OF_VOCAB, RANKED_2_TO_5]:
             print(f"  {outcome:<45} {hits[name, outcome] / positions:6.1%}")
+
+    vocabs = {name: draft.t2d.cpu() for name, draft in drafts.items()}
+    vocabs |= {name: DraftVocab.load(name).t2d for name in args.vocab}
+    replies = {
+        name: torch.cat([item.tokens[item.prompt_length :] for item in references.items if item.set_name == name])
+        for name in references.set_names()
+    }
+    replies["all"] = torch.cat(list(replies.values()))
+    if vocabs:
+        print("reply tokens outside the draft vocab: " + " / ".join(replies))
+    for name, held in vocabs.items():
+        outside = [1 - float(held[tokens].float().mean()) for tokens in replies.values()]
+        print(f"  {name} ({int(held.sum())} tokens): " + " / ".join(f"{share:.1%}" for share in outside))
 
     hidden = embeddings.shape[1]
     # positions 1 .. len - 2: each has a previous token, and features (a reply's stop token may have none)
