@@ -7,8 +7,9 @@ import json
 import pytest
 from test_eval_runner import draft, target  # noqa: F401
 
+from wingspan.errors import DataError
 from wingspan.export import ExportSettings, export_draft
-from wingspan.quickstart import fastest, measure_draft, measurement_lines
+from wingspan.quickstart import fastest, measure_draft, measurement_lines, prompt_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,3 +36,50 @@ def test_the_closing_measurement_reports_each_chain_length(target, draft, tmp_pa
     assert f"--num-draft-tokens {best} --first-turns --out {tmp_path / 'eval' / 'full'}" in text
     for k, result in measured.items():
         assert f"  {k} draft token(s) per round: tau {result.acceptance_length:.2f}" in text
+
+
+def test_the_prompts_are_first_user_turns_drawn_from_all_files(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "id": str(i),
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": f"chat question {i}"},
+                        {"role": "assistant", "content": "an answer the target will replace"},
+                        {"role": "user", "content": "a second turn"},
+                    ],
+                }
+            )
+            for i in range(6)
+        )
+        + "\n"
+    )
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"id": str(i), "turns": [f"plain question {i}"]}) + "\n" for i in range(6)))
+
+    sample = prompt_sample((str(chats), str(questions)), 8, seed=0)
+    assert len(sample) == 8 and len({c.id for c in sample}) == 8
+    assert {c.id.split("/")[0] for c in sample} == {"chats.jsonl", "questions.jsonl"}  # both files, ids kept apart
+    for conversation in sample:
+        roles = [m.role for m in conversation.messages]
+        assert roles in (["system", "user"], ["user"]) and not conversation.has_assistant_turn()
+        number = conversation.id.split("/")[1]
+        assert conversation.messages[-1].content.endswith(f"question {number}")
+    assert [c.id for c in prompt_sample((str(chats), str(questions)), 8, seed=0)] == [c.id for c in sample]
+    assert [c.id for c in prompt_sample((str(chats), str(questions)), 8, seed=1)] != [c.id for c in sample]
+    assert len(prompt_sample((str(chats), str(questions)), 50, seed=0)) == 12  # all there are
+    assert [c.id for c in prompt_sample((str(chats),), 3, seed=0)][0].isdigit()  # one file: its own ids
+
+    (tmp_path / "again").mkdir()
+    same_name = tmp_path / "again" / "questions.jsonl"
+    same_name.write_text(questions.read_text())
+    with pytest.raises(DataError, match=r"--prompts: ids \['questions.jsonl/0'"):
+        prompt_sample((str(questions), str(same_name)), 3, seed=0)
+
+    answers_only = tmp_path / "answers.jsonl"
+    answers_only.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hello"}]}) + "\n")
+    with pytest.raises(DataError, match="answers.jsonl: no usable conversation"):
+        prompt_sample((str(answers_only),), 3, seed=0)

@@ -148,6 +148,14 @@ def test_parallel_settings_are_checked():
     assert TrainConfig(draft_mode="parallel", num_parallel_tokens=5).unroll_steps == 5
 
 
+def test_the_topk_term_settings_are_checked():
+    with pytest.raises(ConfigError, match="topk_loss_weight: must be >= 0"):
+        TrainConfig(topk_loss_weight=-1.0)
+    with pytest.raises(ConfigError, match="topk_loss_k: 9000 is more than the draft vocab's 8192 tokens"):
+        TrainConfig(topk_loss_weight=1.0, topk_loss_k=9000, draft_vocab_size=8192)
+    assert TrainConfig(topk_loss_k=9000, draft_vocab_size=8192).topk_loss_k == 9000  # unused while the term is off
+
+
 @pytest.mark.parametrize("pack, mode", [(True, "chain"), (False, "chain"), (True, "parallel")])
 def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_path, pack, mode):
     d2t, t2d = identity_vocab()
@@ -198,22 +206,29 @@ def test_the_repeat_weight_and_the_loss_reach_the_step_objective(tiny_target, tm
     g = torch.Generator().manual_seed(1)
     data = [TokenizedConversation(torch.randint(2, 6, (20,), generator=g).tolist(), [0] * 4 + [1] * 16) for _ in "ab"]
     objectives = {}
-    for weight, loss in ((1.0, "kl"), (3.0, "kl"), (3.0, "lk")):
-        run = tmp_path / f"{weight}-{loss}"
-        cfg = config(run, max_steps=1, grad_accum=2, batch_tokens=32, ttt_steps=1, repeat_weight=weight, loss=loss)
+    for weight, loss, topk in ((1.0, "kl", 0.0), (3.0, "kl", 0.0), (3.0, "lk", 0.0), (3.0, "kl", 2.0)):
+        run = tmp_path / f"{weight}-{loss}-{topk}"
+        cfg = config(
+            run, max_steps=1, grad_accum=2, batch_tokens=32, ttt_steps=1, repeat_weight=weight, loss=loss,
+            topk_loss_weight=topk, topk_loss_k=2,
+        )  # fmt: skip
         torch.manual_seed(cfg.seed)
         trainee = prepare_draft(tiny_target, cfg, d2t, t2d, World())
         plan = plan_epoch([20, 20], cfg, 0, cfg.shuffle)
         group = [collate(data, plan[0], pad_id=0), collate(data, plan[1], pad_id=0)]
         features = OnlineFeatures(tiny_target, d2t)
-        alone = [float(ttt_forward(trainee.draft, features(m), 1, [1.0], None, weight, loss).loss) for m in group]
+        alone = [
+            float(ttt_forward(trainee.draft, features(m), 1, [1.0], None, weight, loss, (topk, 2)).loss.detach())
+            for m in group
+        ]
         shares = [float(step_weights_of(m.loss_mask, m.positions, m.input_ids, 1, weight).sum()) for m in group]
         expected = sum(loss * share for loss, share in zip(alone, shares)) / sum(shares)
         step = train_step(trainee, group, features, learning_rate(0, 1, cfg), cfg, World())
         assert float(step.loss) == pytest.approx(expected, rel=1e-6)
-        objectives[weight, loss] = float(step.loss)
-    assert objectives[3.0, "kl"] != pytest.approx(objectives[1.0, "kl"], rel=1e-3)
-    assert objectives[3.0, "lk"] != pytest.approx(objectives[3.0, "kl"], rel=1e-3)
+        objectives[weight, loss, topk] = float(step.loss)
+    assert objectives[3.0, "kl", 0.0] != pytest.approx(objectives[1.0, "kl", 0.0], rel=1e-3)
+    assert objectives[3.0, "lk", 0.0] != pytest.approx(objectives[3.0, "kl", 0.0], rel=1e-3)
+    assert objectives[3.0, "kl", 2.0] > objectives[3.0, "kl", 0.0] * 1.1
 
 
 def test_resume_refuses_the_other_batch_layout(tiny_target, tmp_path):

@@ -301,6 +301,29 @@ def test_the_lk_loss_is_minus_log_the_acceptance_rate():
     assert torch.isfinite(loss).all() and q.grad[0, 1] < 0
 
 
+def test_the_topk_term_adds_the_cross_entropy_over_the_targets_top_tokens():
+    """HASS's top-K term: -sum over the target's K most likely tokens of p log q, weighted, on top of the loss."""
+    torch.manual_seed(0)
+    draft = Eagle3Draft(tiny_config(1))
+    ids = torch.randint(0, 97, (2, 12))
+    logits = torch.randn(2, 12, 97)
+    batch = TTTBatch(ids, torch.ones(2, 12), arange_positions(ids), torch.randn(2, 12, 72), logits, logits.argmax(-1))
+    plain = ttt_forward(draft, batch, steps=2, step_weights=[1.0, 0.5])
+    hass = ttt_forward(draft, batch, steps=2, step_weights=[1.0, 0.5], topk=(0.5, 3))
+    expected = []
+    for j, hidden in enumerate(unroll(draft, batch.aux_hidden, ids, batch.positions, 2)):
+        logq = torch.log_softmax(draft.logits(hidden[:, : 10 - j]), dim=-1)
+        p = torch.softmax(logits[:, j + 1 : 11], dim=-1)
+        top = p.argsort(dim=-1, descending=True)[..., :3]  # each position's own three, not one set for all
+        assert not (top[0, 0] == top[1, 1]).all()
+        topk_term = -(p.gather(-1, top) * logq.gather(-1, top)).sum()
+        expected.append(-(p * logq).sum() + 0.5 * topk_term)
+    torch.testing.assert_close(hass.loss_sum, torch.stack(expected).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hass.loss, expected[0] / 20 + 0.5 * expected[1] / 18, rtol=1e-5, atol=1e-5)
+    assert (hass.loss_sum > plain.loss_sum).all()
+    assert hass.correct.tolist() == plain.correct.tolist()
+
+
 def test_simulated_acceptance_length():
     assert simulated_acceptance_length([1.0, 1.0, 1.0], 3) == 4.0
     assert simulated_acceptance_length([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)

@@ -835,11 +835,23 @@ def study_layers(
 def quickstart(
     out: Annotated[Path, typer.Option(help="Where everything goes.")] = Path("runs/quickstart"),
     device: DeviceOption = "auto",
+    conversations: Annotated[
+        int, typer.Option(min=1, help="How many conversations the target writes to train on.")
+    ] = 360,
+    prompts: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A prompt or conversation file (any format `wingspan data regenerate` reads; repeatable): the "
+            "target answers --conversations of their first user turns, drawn at random, instead of inventing them."
+        ),
+    ] = None,
+    epochs: Annotated[float, typer.Option(help="Passes over the conversations.")] = 3.0,
 ) -> None:
-    """The main job on the embedded default: synthesize data, build the vocab, train a 2-layer draft, export it."""
+    """The main job on the embedded default: synthesize data, build the vocab, train a 2-layer draft, export it.
+    Larger --conversations (and --prompts) make the longer recipes of docs/quickstart.md."""
     from wingspan.quickstart import run_quickstart
 
-    run_quickstart(out, device=device)
+    run_quickstart(out, device=device, conversations=conversations, prompts=tuple(prompts or ()), epochs=epochs)
 
 
 def main() -> None:

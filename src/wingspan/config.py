@@ -362,6 +362,11 @@ class TrainConfig:
     # kl: the soft cross-entropy against the target's distribution; lk: -log of the acceptance rate sampling
     # would have, sum_v min(p_v, q_v) (docs/training.md, "The loss")
     loss: LossName = "kl"
+    # HASS's top-K term (Zhang et al. 2024, arXiv 2408.15766), added to `loss` at every step with this weight:
+    # the cross-entropy over the target's `topk_loss_k` most likely tokens only, which the draft's ranking decides
+    # acceptance by (0: off; docs/training.md, "The loss")
+    topk_loss_weight: float = 0.0
+    topk_loss_k: int = 10
     # optimisation. lr and epochs unset: chosen for the target's width and the data's size when the run starts,
     # and recorded in the run's config.json (docs/training.md, "Defaults")
     lr: float | None = None
@@ -413,6 +418,10 @@ class TrainConfig:
                 "init_copy_head: plants a head in a new draft started from the target (init_from_target: true); "
                 "not with init_from or init_layers_from_target"
             )
+        if self.topk_loss_weight and self.topk_loss_k > self.draft_vocab_size:
+            raise ConfigError(
+                f"topk_loss_k: {self.topk_loss_k} is more than the draft vocab's {self.draft_vocab_size} tokens"
+            )
         if self.init_from and self.vocab:
             raise ConfigError("init_from and vocab: a draft to start from brings its own vocab; set one of them")
 
@@ -438,6 +447,8 @@ TRAIN_RANGES: dict[str, dict[str, float]] = {
     "warmup_ratio": {"at_least": 0, "below": 1},
     "grad_clip": {"above": 0},
     "repeat_weight": {"above": 0},
+    "topk_loss_weight": {"at_least": 0},
+    "topk_loss_k": {"at_least": 1},
     "grad_accum": {"at_least": 1},
     "epochs": {"above": 0},
     "max_steps": {"at_least": 1},

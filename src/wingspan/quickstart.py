@@ -8,12 +8,17 @@ The recipe is explained in docs/quickstart.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wingspan.config import TrainConfig, save_json
+from wingspan.data.conversations import Conversation
+from wingspan.errors import DataError
 
 if TYPE_CHECKING:
     from wingspan.eval.runner import SetResult
@@ -47,33 +52,59 @@ SYNTH = dict(num_conversations=360, batch_size=32, max_new_tokens=256)
 CHECK = dict(prompt_set="mt_bench", limit=10, max_new_tokens=256, chain_lengths=(1, 3))
 
 
-def run_quickstart(out: Path, device: str = "auto") -> Path:
-    from wingspan.data.synth import synthesize
+def run_quickstart(
+    out: Path,
+    device: str = "auto",
+    conversations: int = SYNTH["num_conversations"],
+    prompts: tuple[str, ...] = (),
+    epochs: float = QUICKSTART_RECIPE["epochs"],
+) -> Path:
+    """The main job (the module's docstring). `conversations`: how many the target writes; with `prompts`
+    (prompt or conversation files) it answers that many of their first user turns instead of inventing them
+    (`prompt_sample`). `epochs`: passes over them. The defaults are the quickstart's recipe; larger ones make
+    the longer recipes of docs/quickstart.md."""
+    from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.vocab import DraftVocab
     from wingspan.export import export_draft, provenance_of
     from wingspan.models.draft import Eagle3Draft
     from wingspan.models.registry import resolve_target
     from wingspan.pipeline import load_target, run_training
 
-    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    data_path = out / "synth.jsonl"
-    config = TrainConfig(data=[str(data_path)], output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE)
+    data_path = out / ("replies.jsonl" if prompts else "synth.jsonl")
+    recipe = QUICKSTART_RECIPE | {"epochs": epochs}
+    config = TrainConfig(data=[str(data_path)], output_dir=str(out / "run"), device=device, **recipe)
+    sample = prompt_sample(prompts, conversations, config.seed) if prompts else []
+    out.mkdir(parents=True, exist_ok=True)
     save_json(config, out / "train_config.json")
 
     print(f"[1/5] target {config.target} ({config.target_dtype})")
     target = load_target(config)
 
-    print(f"[2/5] synthesizing {SYNTH['num_conversations']} conversations with the target -> {data_path}")
-    synthesize(
-        target,
-        SYNTH["num_conversations"],
-        data_path,
-        batch_size=SYNTH["batch_size"],
-        max_new_tokens=SYNTH["max_new_tokens"],
-        seed=config.seed,
-        resume=True,
-    )
+    if prompts:
+        print(f"[2/5] the target's replies to {len(sample)} prompts from {', '.join(prompts)} -> {data_path}")
+        report = regenerate(
+            target,
+            sample,
+            data_path,
+            max_new_tokens=SYNTH["max_new_tokens"],
+            batch_size=SYNTH["batch_size"],
+            max_length=config.max_length,
+            seed=config.seed,
+            resume=True,
+        )
+        print(report.summary())
+    else:
+        print(f"[2/5] synthesizing {conversations} conversations with the target -> {data_path}")
+        synthesize(
+            target,
+            conversations,
+            data_path,
+            batch_size=SYNTH["batch_size"],
+            max_new_tokens=SYNTH["max_new_tokens"],
+            seed=config.seed,
+            resume=True,
+        )
 
     print("[3/5] draft vocab and training")
     draft_dir = run_training(config, resume="if-any", target=target)
@@ -105,6 +136,28 @@ done in {minutes:.1f} min
 {measurement_lines(measured, export_dir, out / "eval", config.target_dtype, CHECK)}
 serve it:  vllm serve {resolve_target(config.target)} --speculative-config '{serving}'""")
     return export_dir
+
+
+def prompt_sample(files: tuple[str, ...], count: int, seed: int) -> list[Conversation]:
+    """`count` conversations drawn at random (seeded) from all of `files` together, each cut to its first user
+    turn (and any system message before it): the prompts the target answers. Fewer when the files hold fewer."""
+    from wingspan.data.conversations import read_conversations
+
+    pool = []
+    for path in files:
+        conversations, report = read_conversations(path)  # each with a user turn, or a DataError naming the file
+        if report.skipped:
+            print(report.summary())
+        for conversation in conversations:
+            first_user = next(i for i, m in enumerate(conversation.messages) if m.role == "user")
+            # ids name the file too: regeneration resumes by id, and two files may share one
+            named = f"{Path(path).name}/{conversation.id}" if len(files) > 1 else conversation.id
+            pool.append(dataclasses.replace(conversation, messages=conversation.messages[: first_user + 1], id=named))
+    repeated = [i for i, n in Counter(c.id for c in pool).items() if n > 1]
+    if repeated:
+        raise DataError(f"--prompts: ids {repeated[:3]} occur more than once in {', '.join(files)}")
+    random.Random(f"prompts/{seed}").shuffle(pool)
+    return pool[:count]
 
 
 def measure_draft(

@@ -32,6 +32,8 @@ RECIPE_FIELDS = (
     "step_decay",
     "repeat_weight",
     "loss",
+    "topk_loss_weight",
+    "topk_loss_k",
     "lr",
     "min_lr_ratio",
     "warmup_ratio",
@@ -181,6 +183,8 @@ def training_section(provenance: Provenance) -> list[str]:
         recipe.pop("num_parallel_tokens", None)
     else:
         recipe.pop("ttt_steps", None)
+    if not recipe.get("topk_loss_weight"):
+        recipe.pop("topk_loss_k", None)
     lines += ["- recipe: " + ", ".join(f"`{k}={v}`" for k, v in recipe.items()), ""]
     return lines
 

@@ -334,7 +334,14 @@ def prepare_draft(
         start_from(draft, config.init_from)
     step_weights = [config.step_decay**j for j in range(config.unroll_steps)]
     model = parallelize(
-        TTTLoss(draft, config.unroll_steps, step_weights, config.repeat_weight, config.loss),
+        TTTLoss(
+            draft,
+            config.unroll_steps,
+            step_weights,
+            config.repeat_weight,
+            config.loss,
+            (config.topk_loss_weight, config.topk_loss_k),
+        ),
         draft,
         config.parallel,
         world,

@@ -195,18 +195,20 @@ def ttt_forward(
     normaliser: torch.Tensor | None = None,
     repeat_weight: float = 1.0,
     objective: LossName = "kl",
+    topk: tuple[float, int] = (0.0, 10),
 ) -> TTTResult:
     """Unroll the draft `steps` times and score each step against the target.
 
     The target distribution is restricted to the draft vocab and renormalised. `objective` "kl": the soft
     cross-entropy (forward KL up to a constant); "lk": the negative log of the acceptance rate that sampling
     from the draft would have, -log sum_v min(p_v, q_v) (the LK^alpha loss of Samarin et al. 2026, which
-    scores acceptance instead of the whole distribution). Only counted rows (assistant tokens whose prediction
-    lies inside their conversation) go through the vocab projection. `repeat_weight` weighs the positions where
-    prompt lookup would propose (`step_weights_of`); `normaliser` [steps] divides each step's weighted loss sum:
-    by default this micro-batch's weights, but a trainer passes those of the whole optimizer step so that
-    accumulation and data parallelism weight every token alike. The loss sums returned are unweighted
-    (comparable across weightings).
+    scores acceptance instead of the whole distribution). `topk` (weight, K) adds HASS's top-K term with that
+    weight: -sum over the target's K most likely tokens v of p_v log q_v. Only counted rows (assistant tokens
+    whose prediction lies inside their conversation) go through the vocab projection. `repeat_weight` weighs
+    the positions where prompt lookup would propose (`step_weights_of`); `normaliser` [steps] divides each
+    step's weighted loss sum: by default this micro-batch's weights, but a trainer passes those of the whole
+    optimizer step so that accumulation and data parallelism weight every token alike. The loss sums returned
+    are not weighted by position (comparable across weightings).
     """
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
     target_p = torch.softmax(batch.target_logits.float(), dim=-1)
@@ -230,6 +232,10 @@ def ttt_forward(
             per_position = -torch.log(torch.minimum(p, logp.exp()).sum(dim=-1) + ACCEPTANCE_FLOOR)
         else:
             per_position = -(p * logp).sum(dim=-1)
+        topk_weight, k = topk
+        if topk_weight:
+            top = p.topk(k, dim=-1)
+            per_position = per_position - topk_weight * (top.values * logp.gather(-1, top.indices)).sum(dim=-1)
         loss_sum = per_position.sum()
         weighted = loss_sum if repeat_weight == 1.0 else (per_position * weights[j][:, :valid][rows]).sum()
         loss = loss + step_weights[j] * weighted / normaliser[j]
@@ -251,6 +257,7 @@ class TTTLoss(torch.nn.Module):
         step_weights: list[float],
         repeat_weight: float = 1.0,
         objective: LossName = "kl",
+        topk: tuple[float, int] = (0.0, 10),
     ) -> None:
         super().__init__()
         self.draft = draft
@@ -258,10 +265,11 @@ class TTTLoss(torch.nn.Module):
         self.step_weights = step_weights
         self.repeat_weight = repeat_weight
         self.objective = objective
+        self.topk = topk
 
     def forward(self, batch: TTTBatch, normaliser: torch.Tensor | None = None) -> TTTResult:
         return ttt_forward(
-            self.draft, batch, self.steps, self.step_weights, normaliser, self.repeat_weight, self.objective
+            self.draft, batch, self.steps, self.step_weights, normaliser, self.repeat_weight, self.objective, self.topk
         )
 
 
