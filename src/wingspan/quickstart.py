@@ -1,5 +1,5 @@
-"""The main job: from nothing but the embedded target to a trained, exported 2-layer draft, measured against
-plain decoding on the first MT-bench prompts.
+"""The main job: from nothing but the embedded target (or prompt files) to a trained, exported 2-layer draft,
+measured against plain decoding on the first MT-bench prompts.
 
 Each stage skips work it finds done (synthesis resumes, training resumes from its last checkpoint), so
 re-running after an interruption continues where it stopped; the closing measurement runs again each time.
