@@ -243,12 +243,21 @@ def test_repeated_bigrams_are_where_lookup_proposes():
     assert marked.sum() > 20 and not marked.all()
 
 
-def test_repeat_weight_weighs_the_positions_lookup_would_copy():
+def seeded_draft_and_batch(distinct_tokens: int = 97) -> tuple[Eagle3Draft, TTTBatch]:
+    """A 1-layer tiny draft and a 2 x 12 batch of random ids (from the first `distinct_tokens`), target logits and
+    aux features, the same on every call."""
     torch.manual_seed(0)
     draft = Eagle3Draft(tiny_config(1))
-    ids = torch.randint(0, 3, (2, 12))  # three tokens: many repeated bigrams
+    ids = torch.randint(0, distinct_tokens, (2, 12))
     logits = torch.randn(2, 12, 97)
-    batch = TTTBatch(ids, torch.ones(2, 12), arange_positions(ids), torch.randn(2, 12, 72), logits, logits.argmax(-1))
+    return draft, TTTBatch(
+        ids, torch.ones(2, 12), arange_positions(ids), torch.randn(2, 12, 72), logits, logits.argmax(-1)
+    )
+
+
+def test_repeat_weight_weighs_the_positions_lookup_would_copy():
+    draft, batch = seeded_draft_and_batch(distinct_tokens=3)  # three tokens: many repeated bigrams
+    ids, logits = batch.input_ids, batch.target_logits
     plain = ttt_forward(draft, batch, steps=1, step_weights=[1.0])
     weighted = ttt_forward(draft, batch, steps=1, step_weights=[1.0], repeat_weight=4.0)
     hidden = next(unroll(draft, batch.aux_hidden, ids, batch.positions, 1))
@@ -273,11 +282,8 @@ def test_repeat_weight_weighs_the_positions_lookup_would_copy():
 
 
 def test_the_lk_loss_is_minus_log_the_acceptance_rate():
-    torch.manual_seed(0)
-    draft = Eagle3Draft(tiny_config(1))
-    ids = torch.randint(0, 97, (2, 12))
-    logits = torch.randn(2, 12, 97)
-    batch = TTTBatch(ids, torch.ones(2, 12), arange_positions(ids), torch.randn(2, 12, 72), logits, logits.argmax(-1))
+    draft, batch = seeded_draft_and_batch()
+    ids, logits = batch.input_ids, batch.target_logits
     lk = ttt_forward(draft, batch, steps=2, step_weights=[1.0, 0.5], objective="lk")
     kl = ttt_forward(draft, batch, steps=2, step_weights=[1.0, 0.5])
     expected = []
@@ -303,11 +309,8 @@ def test_the_lk_loss_is_minus_log_the_acceptance_rate():
 
 def test_the_topk_term_adds_the_cross_entropy_over_the_targets_top_tokens():
     """HASS's top-K term: -sum over the target's K most likely tokens of p log q, weighted, on top of the loss."""
-    torch.manual_seed(0)
-    draft = Eagle3Draft(tiny_config(1))
-    ids = torch.randint(0, 97, (2, 12))
-    logits = torch.randn(2, 12, 97)
-    batch = TTTBatch(ids, torch.ones(2, 12), arange_positions(ids), torch.randn(2, 12, 72), logits, logits.argmax(-1))
+    draft, batch = seeded_draft_and_batch()
+    ids, logits = batch.input_ids, batch.target_logits
     plain = ttt_forward(draft, batch, steps=2, step_weights=[1.0, 0.5])
     hass = ttt_forward(draft, batch, steps=2, step_weights=[1.0, 0.5], topk=(0.5, 3))
     expected = []

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wingspan.config import TrainConfig, save_json
-from wingspan.data.conversations import Conversation
 from wingspan.errors import DataError
 
 if TYPE_CHECKING:
+    from wingspan.data.conversations import Conversation
     from wingspan.eval.runner import SetResult
     from wingspan.models.target import TargetModel
 

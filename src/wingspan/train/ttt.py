@@ -219,6 +219,7 @@ def ttt_forward(
     if normaliser is None:
         normaliser = weights.sum(dim=(1, 2)).clamp(min=1)
 
+    topk_weight, k = topk
     loss = torch.zeros((), device=input_ids.device)
     loss_sums, correct = [], []
     for j, hidden in enumerate(unroll(draft, batch.aux_hidden, input_ids, batch.positions, steps)):
@@ -232,7 +233,6 @@ def ttt_forward(
             per_position = -torch.log(torch.minimum(p, logp.exp()).sum(dim=-1) + ACCEPTANCE_FLOOR)
         else:
             per_position = -(p * logp).sum(dim=-1)
-        topk_weight, k = topk
         if topk_weight:
             top = p.topk(k, dim=-1)
             per_position = per_position - topk_weight * (top.values * logp.gather(-1, top.indices)).sum(dim=-1)
