@@ -97,6 +97,17 @@ def test_manifest_round_trips_and_records_match_the_data(dumped, target):
     assert manifest.num_tokens == sum(len(r.input_ids) for r in records)
 
 
+def test_a_dump_of_whole_conversations_stores_their_masks(target, tiny_llama_dir, conversations, tmp_path):
+    config = config_for(tmp_path, tiny_llama_dir, conversations, learn_prompts=True)
+    manifest = dump(config, target, tmp_path / "dump")
+    assert manifest.identity.learn_prompts
+    records = HiddenStateDump(tmp_path / "dump").records
+    assert records == tokenized_dataset(config.data, target.tokenizer, config.max_length, learn_prompts=True)
+    assert all(all(r.loss_mask) for r in records)
+    replies_only = tokenized_dataset(config.data, target.tokenizer, config.max_length)
+    assert not all(all(r.loss_mask) for r in replies_only)
+
+
 def test_stored_features_are_the_targets_in_bf16(dumped, target):
     config, directory = dumped
     loaded = HiddenStateDump(directory)
@@ -228,6 +239,7 @@ def test_training_refuses_a_dump_of_other_settings(dumped, target, tmp_path, con
         ("max_length", 128, "max_length: dump has 64, config has 128"),
         ("target_dtype", "bfloat16", "target_dtype: dump has 'float32', config has 'bfloat16'"),
         ("learn_reasoning", False, "learn_reasoning: dump has True, config has False"),  # other loss masks
+        ("learn_prompts", True, "learn_prompts: dump has False, config has True"),
     ]:
         other = TrainConfig(
             **{**to_dict(config), field: value, "from_dump": str(directory), "output_dir": str(tmp_path / field)}

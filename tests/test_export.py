@@ -333,3 +333,18 @@ def test_model_card_names_the_base_model_and_its_license(tmp_path):
     assert '"model": "me/smollm2-draft"' in card and str(tmp_path) not in card
     with pytest.raises(ExportError, match="repo_id: expected a hub repository id ORG/NAME, got 'my draft'"):
         dataclasses.replace(FP32, repo_id="my draft")
+
+
+def test_model_card_lists_the_optional_loss_settings_only_when_on():
+    from wingspan.config import TrainConfig, to_dict
+    from wingspan.export.card import Provenance, training_section
+
+    def recipe(**changes):
+        run = to_dict(TrainConfig(data=["chat.jsonl"], **changes))
+        (line,) = [line for line in training_section(Provenance(run_config=run)) if line.startswith("- recipe:")]
+        return line
+
+    plain = recipe()
+    assert "`ttt_steps=" in plain and "learn_prompts" not in plain and "topk_loss_k" not in plain
+    on = recipe(learn_prompts=True, topk_loss_weight=0.5, topk_loss_k=5)
+    assert "`learn_prompts=True`" in on and "`topk_loss_weight=0.5`, `topk_loss_k=5`" in on

@@ -284,6 +284,19 @@ def test_reasoning_is_learned_or_left_out_as_asked(smollm2_tokenizer):
     assert left_out.input_ids == learned.input_ids
 
 
+def test_prompts_are_learned_when_asked(smollm2_tokenizer):
+    (replies_only,), _ = tokenize_conversations(smollm2_tokenizer, [WITH_SYSTEM], 512)
+    (whole,), _ = tokenize_conversations(smollm2_tokenizer, [WITH_SYSTEM], 512, learn_prompts=True)
+    assert whole.input_ids == replies_only.input_ids
+    assert all(whole.loss_mask) and not all(replies_only.loss_mask)
+    assert masked_texts(smollm2_tokenizer, whole) == [smollm2_tokenizer.decode(whole.input_ids)]
+    reply = "<think>\nGreet.\n</think>\n\nBonjour !"
+    thinking = conversation(("user", "Say hello."), ("assistant", reply))
+    (record,), _ = tokenize_conversations(smollm2_tokenizer, [thinking], 512, learn_reasoning=False, learn_prompts=True)
+    (learned_text,) = masked_texts(smollm2_tokenizer, record)[:1]
+    assert "Say hello." in learned_text and "Greet." not in "".join(masked_texts(smollm2_tokenizer, record))
+
+
 def test_chat_template_file_and_variables(smollm2_tokenizer, tmp_path):
     from wingspan.data.template import chat_prompt, set_chat_template
     from wingspan.errors import ConfigError

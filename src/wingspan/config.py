@@ -319,6 +319,8 @@ class TrainConfig:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables: {enable_thinking: false}
     learn_reasoning: bool = True  # false: reasoning in replies (<think>...</think>) is kept out of the loss
+    # true: the whole conversation is in the loss, prompts and template text too, with the target's labels there
+    learn_prompts: bool = False
     # target
     device: str = "auto"  # auto (the GPU when there is one), cpu, cuda, cuda:N; under torchrun each rank's GPU
     target_dtype: DtypeName = "bfloat16"

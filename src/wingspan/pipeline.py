@@ -38,7 +38,7 @@ def load_target(config: TrainConfig) -> TargetModel:
 
 
 def tokenized_dataset(
-    paths: list[str], tokenizer, max_length: int, learn_reasoning: bool = True
+    paths: list[str], tokenizer, max_length: int, learn_reasoning: bool = True, learn_prompts: bool = False
 ) -> list[TokenizedConversation]:
     """Read and tokenize training conversations; skips are counted and printed, never silent."""
     if not paths:
@@ -46,7 +46,9 @@ def tokenized_dataset(
     records: list[TokenizedConversation] = []
     for path in paths:
         conversations, read_report = read_conversations(path, require_assistant=True)
-        tokenized, template_report = tokenize_conversations(tokenizer, conversations, max_length, learn_reasoning)
+        tokenized, template_report = tokenize_conversations(
+            tokenizer, conversations, max_length, learn_reasoning, learn_prompts
+        )
         records += tokenized
         skips = "; ".join(r.summary() for r in (read_report, template_report) if r.skipped)
         print0(
@@ -140,7 +142,9 @@ def run_training(
             features=features,
             built_vocab=vocab if built else None,
         )
-    records = tokenized_dataset(config.data, target.tokenizer, config.max_length, config.learn_reasoning)
+    records = tokenized_dataset(
+        config.data, target.tokenizer, config.max_length, config.learn_reasoning, config.learn_prompts
+    )
     vocab, built = draft_vocab(config, target, records)
     # online: the target runs each batch
     return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume, built_vocab=vocab if built else None)
@@ -159,7 +163,9 @@ def run_dump(
     from wingspan.data.hidden_states import dump_identity, write_dump
 
     target = target or load_target(config)
-    records = tokenized_dataset(config.data, target.tokenizer, config.max_length, config.learn_reasoning)
+    records = tokenized_dataset(
+        config.data, target.tokenizer, config.max_length, config.learn_reasoning, config.learn_prompts
+    )
     return write_dump(
         target,
         records,

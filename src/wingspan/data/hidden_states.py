@@ -65,6 +65,7 @@ class DumpIdentity:
     max_length: int
     data: list[DataFile]
     learn_reasoning: bool = True  # the loss masks stored; dumps from before the option learned reasoning
+    learn_prompts: bool = False  # and dumps from before this one learned the replies only
 
 
 @dataclass
@@ -137,6 +138,7 @@ def dump_identity(config: TrainConfig, target) -> DumpIdentity:
         max_length=config.max_length,
         data=[DataFile(path, source_sha256(path)) for path in config.data],
         learn_reasoning=config.learn_reasoning,
+        learn_prompts=config.learn_prompts,
     )
 
 
@@ -153,7 +155,7 @@ def require_match(where: Path, dump: DumpIdentity, wanted: DumpIdentity, compare
             f"chat template / tokenizer: dump has fingerprint {dump.template_fingerprint[:12]}, "
             f"config's target has {wanted.template_fingerprint[:12]}"
         )
-    for name in ("aux_layer_ids", "target_dtype", "max_length", "learn_reasoning"):
+    for name in ("aux_layer_ids", "target_dtype", "max_length", "learn_reasoning", "learn_prompts"):
         if getattr(dump, name) != getattr(wanted, name):
             differences.append(f"{name}: dump has {getattr(dump, name)!r}, config has {getattr(wanted, name)!r}")
     if compare_data and [d.sha256 for d in dump.data] != [d.sha256 for d in wanted.data]:

@@ -237,10 +237,15 @@ def without_reasoning(text: str, spans: list[tuple[int, int]]) -> list[tuple[int
 
 
 def tokenize_conversations(
-    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int, learn_reasoning: bool = True
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: list[Conversation],
+    max_length: int,
+    learn_reasoning: bool = True,
+    learn_prompts: bool = False,
 ) -> tuple[list[TokenizedConversation], SkipReport]:
     """Tokenize many conversations (batched through the Rust tokenizer); drop those with nothing to learn.
-    With `learn_reasoning` False the reasoning blocks of the replies are not masked (`without_reasoning`).
+    The loss mask covers the replies; with `learn_prompts` the whole rendered text (every turn and the
+    template's own tokens). With `learn_reasoning` False reasoning blocks are left out of it (`without_reasoning`).
 
     Skipped and counted: a conversation the template rejects (e.g. roles that do not alternate), one the
     template rewrites beyond recognition, and one with no masked token within max_length. Nothing left is a
@@ -268,6 +273,8 @@ def tokenize_conversations(
         encodings = tokenizer([text for _, text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
         batch = zip(rendered, encodings["input_ids"], encodings["offset_mapping"])
         for (conversation, text, spans), ids, offsets in batch:
+            if learn_prompts:
+                spans = [(0, len(text))]
             if not learn_reasoning:
                 spans = without_reasoning(text, spans)
             mask = _token_mask(offsets, spans, len(text))[:max_length]

@@ -26,6 +26,7 @@ RECIPE_FIELDS = (
     "max_length",
     "batch_tokens",
     "pack",
+    "learn_prompts",
     "ttt_steps",
     "draft_mode",
     "num_parallel_tokens",
@@ -185,6 +186,8 @@ def training_section(provenance: Provenance) -> list[str]:
         recipe.pop("ttt_steps", None)
     if not recipe.get("topk_loss_weight"):
         recipe.pop("topk_loss_k", None)
+    if not recipe.get("learn_prompts"):
+        recipe.pop("learn_prompts", None)
     lines += ["- recipe: " + ", ".join(f"`{k}={v}`" for k, v in recipe.items()), ""]
     return lines
 

@@ -59,7 +59,7 @@ def prepare_shared(config: StudyConfig, out: Path, target):
     from wingspan.pipeline import build_vocab, tokenized_dataset
 
     base = config.base_train_config()
-    records = tokenized_dataset(base.data, target.tokenizer, base.max_length, base.learn_reasoning)
+    records = tokenized_dataset(base.data, target.tokenizer, base.max_length, base.learn_reasoning, base.learn_prompts)
     vocab_path = out / "shared" / "vocab.safetensors"
     if vocab_path.exists():
         vocab = DraftVocab.load(vocab_path)
