@@ -9,7 +9,7 @@ from test_eval_runner import draft, target  # noqa: F401
 
 from wingspan.errors import DataError
 from wingspan.export import ExportSettings, export_draft
-from wingspan.quickstart import fastest, measure_draft, measurement_lines, prompt_sample
+from wingspan.quickstart import fastest, measure_draft, measurement_lines, plan_conversations, prompt_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,3 +83,24 @@ def test_the_prompts_are_first_user_turns_drawn_from_all_files(tmp_path):
     answers_only.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hello"}]}) + "\n")
     with pytest.raises(DataError, match="answers.jsonl: no usable conversation"):
         prompt_sample((str(answers_only),), 3, seed=0)
+
+
+def test_prompts_and_invented_conversations_share_the_count(tmp_path, capsys):
+    from wingspan.errors import ConfigError
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"id": str(i), "turns": [f"question {i}"]}) + "\n" for i in range(10)))
+    files = (str(questions),)
+    assert plan_conversations((), None, 7, seed=0) == ([], 7)  # no prompt files: all invented
+    sample, invented = plan_conversations(files, None, 6, seed=0)
+    assert [c.id for c in sample] == [c.id for c in prompt_sample(files, 6, seed=0)] and invented == 0
+    sample, invented = plan_conversations(files, 0.25, 8, seed=0)
+    assert len(sample) == 2 and invented == 6
+    assert plan_conversations(files, 0.0, 8, seed=0) == ([], 8)
+    sample, invented = plan_conversations(files, None, 25, seed=0)  # the file holds 10: invented ones make up 15
+    assert len(sample) == 10 and invented == 15
+    assert "10 prompts in" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--prompt-share: needs --prompts"):
+        plan_conversations((), 0.5, 8, seed=0)
+    with pytest.raises(ConfigError, match="--prompt-share: expected a share from 0 to 1, got 1.5"):
+        plan_conversations(files, 1.5, 8, seed=0)

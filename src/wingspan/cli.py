@@ -842,7 +842,14 @@ def quickstart(
         list[str] | None,
         typer.Option(
             help="A prompt or conversation file (any format `wingspan data regenerate` reads; repeatable): the "
-            "target answers --conversations of their first user turns, drawn at random, instead of inventing them."
+            "target answers first user turns drawn from them at random, instead of inventing conversations."
+        ),
+    ] = None,
+    prompt_share: Annotated[
+        float | None,
+        typer.Option(
+            help="With --prompts: the share of --conversations that answer them (default all); the target invents "
+            "the rest, and also makes up for prompts the files do not have."
         ),
     ] = None,
     epochs: Annotated[float, typer.Option(help="Passes over the conversations.")] = 3.0,
@@ -851,7 +858,14 @@ def quickstart(
     Larger --conversations (and --prompts) make the longer recipes of docs/quickstart.md."""
     from wingspan.quickstart import run_quickstart
 
-    run_quickstart(out, device=device, conversations=conversations, prompts=tuple(prompts or ()), epochs=epochs)
+    run_quickstart(
+        out,
+        device=device,
+        conversations=conversations,
+        prompts=tuple(prompts or ()),
+        prompt_share=prompt_share,
+        epochs=epochs,
+    )
 
 
 def main() -> None:

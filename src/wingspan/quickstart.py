@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wingspan.config import TrainConfig, save_json
-from wingspan.errors import DataError
+from wingspan.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from wingspan.data.conversations import Conversation
@@ -57,12 +57,13 @@ def run_quickstart(
     device: str = "auto",
     conversations: int = SYNTH["num_conversations"],
     prompts: tuple[str, ...] = (),
+    prompt_share: float | None = None,
     epochs: float = QUICKSTART_RECIPE["epochs"],
 ) -> Path:
     """The main job (the module's docstring). `conversations`: how many the target writes; with `prompts`
-    (prompt or conversation files) it answers that many of their first user turns instead of inventing them
-    (`prompt_sample`). `epochs`: passes over them. The defaults are the quickstart's recipe; larger ones make
-    the longer recipes of docs/quickstart.md."""
+    (prompt or conversation files) it answers their first user turns in `prompt_share` of them and invents the
+    rest (`plan_conversations`). `epochs`: passes over them. The defaults are the quickstart's recipe; larger
+    ones make the longer recipes of docs/quickstart.md."""
     from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.vocab import DraftVocab
     from wingspan.export import export_draft, provenance_of
@@ -71,22 +72,23 @@ def run_quickstart(
     from wingspan.pipeline import load_target, run_training
 
     started = time.perf_counter()
-    data_path = out / ("replies.jsonl" if prompts else "synth.jsonl")
-    recipe = QUICKSTART_RECIPE | {"epochs": epochs}
-    config = TrainConfig(data=[str(data_path)], output_dir=str(out / "run"), device=device, **recipe)
-    sample = prompt_sample(prompts, conversations, config.seed) if prompts else []
+    config = TrainConfig(output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE | {"epochs": epochs})
+    sample, invented = plan_conversations(prompts, prompt_share, conversations, config.seed)
+    replies_path, synth_path = out / "replies.jsonl", out / "synth.jsonl"
+    data = ([str(replies_path)] if sample else []) + ([str(synth_path)] if invented else [])
+    config = dataclasses.replace(config, data=data)
     out.mkdir(parents=True, exist_ok=True)
     save_json(config, out / "train_config.json")
 
     print(f"[1/5] target {config.target} ({config.target_dtype})")
     target = load_target(config)
 
-    if prompts:
-        print(f"[2/5] the target's replies to {len(sample)} prompts from {', '.join(prompts)} -> {data_path}")
+    if sample:
+        print(f"[2/5] the target's replies to {len(sample)} prompts from {', '.join(prompts)} -> {replies_path}")
         report = regenerate(
             target,
             sample,
-            data_path,
+            replies_path,
             max_new_tokens=SYNTH["max_new_tokens"],
             batch_size=SYNTH["batch_size"],
             max_length=config.max_length,
@@ -94,12 +96,12 @@ def run_quickstart(
             resume=True,
         )
         print(report.summary())
-    else:
-        print(f"[2/5] synthesizing {conversations} conversations with the target -> {data_path}")
+    if invented:
+        print(f"[2/5] synthesizing {invented} conversations with the target -> {synth_path}")
         synthesize(
             target,
-            conversations,
-            data_path,
+            invented,
+            synth_path,
             batch_size=SYNTH["batch_size"],
             max_new_tokens=SYNTH["max_new_tokens"],
             seed=config.seed,
@@ -126,7 +128,7 @@ def run_quickstart(
     serving = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": fastest(measured)})
     print(f"""
 done in {minutes:.1f} min
-  conversations : {data_path}
+  conversations : {", ".join(data)}
   draft vocab   : {vocab_path} ({vocab.draft_vocab_size} tokens, {vocab.coverage:.1%} coverage)
   training run  : {config.output_dir} (metrics.jsonl, checkpoints/)
   draft         : {draft_dir}
@@ -136,6 +138,28 @@ done in {minutes:.1f} min
 {measurement_lines(measured, export_dir, out / "eval", config.target_dtype, CHECK)}
 serve it:  vllm serve {resolve_target(config.target)} --speculative-config '{serving}'""")
     return export_dir
+
+
+def plan_conversations(
+    prompts: tuple[str, ...], prompt_share: float | None, conversations: int, seed: int
+) -> tuple[list[Conversation], int]:
+    """The prompts the target answers and how many conversations it invents, `conversations` in all: with prompt
+    files, `prompt_share` (default all) of them answer first user turns drawn from the files (`prompt_sample`),
+    and where the files hold fewer prompts than that, invented ones make up the count."""
+    if prompt_share is None:
+        prompt_share = 1.0
+    elif not prompts:
+        raise ConfigError("--prompt-share: needs --prompts (the share of conversations that answer them)")
+    if not 0 <= prompt_share <= 1:
+        raise ConfigError(f"--prompt-share: expected a share from 0 to 1, got {prompt_share}")
+    answered = round(prompt_share * conversations) if prompts else 0
+    sample = prompt_sample(prompts, answered, seed) if answered else []
+    if len(sample) < answered:
+        print(
+            f"--prompts: {len(sample)} prompts in {', '.join(prompts)}, fewer than {answered}: "
+            "the target invents the rest"
+        )
+    return sample, conversations - len(sample)
 
 
 def prompt_sample(files: tuple[str, ...], count: int, seed: int) -> list[Conversation]:
