@@ -62,7 +62,7 @@ def draft_vocab(
     config: TrainConfig, target: TargetModel, records: list[TokenizedConversation]
 ) -> tuple[DraftVocab, bool]:
     """The vocab file named in the config, the vocab of the draft training starts from (`init_from`), or one
-    built from the assistant tokens of the training data; and whether it was built (the run saves it)."""
+    built from the loss-masked tokens of the training data; and whether it was built (the run saves it)."""
     if config.init_from:
         state = starting_draft(config.init_from, names=("d2t", "t2d"))[1]
         return DraftVocab(state["d2t"], state["t2d"], coverage=float("nan")), False
@@ -95,7 +95,7 @@ def starting_draft(directory: str, names: tuple[str, ...] | None = None) -> tupl
 def build_vocab(
     target: TargetModel | TargetVocabulary, records: list[TokenizedConversation], size: int, path: Path | None = None
 ) -> DraftVocab:
-    """The `size` most frequent assistant tokens (end-of-turn ids always in), saved to `path` when given; the
+    """The `size` most frequent loss-masked tokens (end-of-turn ids always in), saved to `path` when given; the
     target's weights are not needed (a `TargetVocabulary` will do)."""
     if size > target.vocab_size:
         raise ConfigError(
@@ -106,7 +106,7 @@ def build_vocab(
     if path is not None and current_world().is_main:  # under torchrun every rank builds the same vocab; one writes it
         vocab.save(path)
     where = f" -> {path}" if path is not None else ""
-    print0(f"draft vocab: {vocab.draft_vocab_size} tokens cover {vocab.coverage:.1%} of assistant tokens{where}")
+    print0(f"draft vocab: {vocab.draft_vocab_size} tokens cover {vocab.coverage:.1%} of the tokens in the loss{where}")
     return vocab
 
 

@@ -26,7 +26,7 @@ from wingspan.files import atomic_file
 class DraftVocab:
     d2t: torch.Tensor  # int64 [draft_vocab_size]: target id = i + d2t[i]
     t2d: torch.Tensor  # bool [target_vocab_size]: True where the target id has a draft id
-    coverage: float  # share of the counted assistant tokens that the draft vocab covers
+    coverage: float  # share of the counted loss-masked tokens that the draft vocab covers
 
     @property
     def draft_vocab_size(self) -> int:
@@ -106,7 +106,7 @@ def build_draft_vocab(
     draft_vocab_size: int,
     always_include: Iterable[int] = (),
 ) -> DraftVocab:
-    """Keep the draft_vocab_size most frequent assistant tokens (ties to the lower id), plus `always_include`.
+    """Keep the draft_vocab_size most frequent loss-masked tokens (ties to the lower id), plus `always_include`.
 
     `always_include` is for tokens the draft must be able to propose however rare they are in the data, such
     as EOS and the end-of-turn marker. When fewer distinct tokens were seen, the lowest unused ids fill the

@@ -94,7 +94,7 @@ class TTTBatch:
     """One micro-batch: rows of conversations (`wingspan.data.batching`) and what the target said about them."""
 
     input_ids: torch.Tensor  # [B, T]
-    loss_mask: torch.Tensor  # [B, T], 1 on assistant tokens (0 on padding)
+    loss_mask: torch.Tensor  # [B, T], 1 on the tokens in the loss (0 on padding)
     positions: torch.Tensor  # [B, T] position inside its conversation (0 starts one)
     aux_hidden: torch.Tensor  # [B, T, num_aux * H_target]
     target_logits: torch.Tensor  # [B, T, draft_vocab]: the target's logits of the draft vocab's tokens
@@ -203,7 +203,7 @@ def ttt_forward(
     cross-entropy (forward KL up to a constant); "lk": the negative log of the acceptance rate that sampling
     from the draft would have, -log sum_v min(p_v, q_v) (the LK^alpha loss of Samarin et al. 2026, which
     scores acceptance instead of the whole distribution). `topk` (weight, K) adds HASS's top-K term with that
-    weight: -sum over the target's K most likely tokens v of p_v log q_v. Only counted rows (assistant tokens
+    weight: -sum over the target's K most likely tokens v of p_v log q_v. Only counted rows (loss-masked tokens
     whose prediction lies inside their conversation) go through the vocab projection. `repeat_weight` weighs
     the positions where prompt lookup would propose (`step_weights_of`); `normaliser` [steps] divides each
     step's weighted loss sum: by default this micro-batch's weights, but a trainer passes those of the whole
