@@ -1,10 +1,12 @@
-"""How fast the target writes replies at each generation batch size: the rate `wingspan data synth` and
-`wingspan data regenerate` turn CPU time into training data at.
+"""How fast the target writes replies: the rate `wingspan data synth` and `wingspan data regenerate` turn CPU
+time into training data at.
 
-The same prompts (first turns of a prompt set, as chat prompts) are answered greedily at each batch size, in
-the product's own call (`TargetModel.generate`, left-padded batches); the batch sizes alternate order over
-`--repeats` passes. It prints, per batch size, the reply tokens written per second and the share of the
-decode steps' slots that held a live reply (a batch runs until its longest reply ends).
+The same prompts (first turns of a prompt set, as chat prompts) are answered greedily at each batch size twice,
+side by side: by the product's own call (`TargetModel.generate`: rows that are done leave the batch) and by
+transformers' `generate` on the same left-padded batch (every row runs until the batch's longest reply ends);
+the two alternate order over `--repeats` passes. It prints, per batch size, the reply tokens written per second
+by each, their ratio, the share of transformers' decode slots that held a live reply, and how many replies the
+two wrote alike (bf16 numerics depend on the batch's shape, so some greedy replies part on a near-tie).
 
     python bench/generate_throughput.py --batch-sizes 16,32,64 --prompts 64
 """
@@ -15,10 +17,28 @@ import argparse
 import time
 
 import torch
+from transformers import GenerationConfig
 
 from wingspan.data.template import chat_prompt
 from wingspan.eval.prompts import load_prompt_set
 from wingspan.models.target import TargetModel
+
+
+def transformers_generate(target: TargetModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy replies of transformers' `generate` to one left-padded batch, cut before the first stop token."""
+    stops = target.eos_token_ids
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stops[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=pad)
+    with torch.inference_mode():
+        out = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    replies = []
+    for row in out[:, width:].tolist():
+        end = next((i for i, token in enumerate(row) if token in stops), len(row))
+        replies.append(row[:end])
+    return replies
 
 
 def main() -> None:
@@ -37,36 +57,40 @@ def main() -> None:
     _, prompts = load_prompt_set(args.set, args.prompts)
     chats = [chat_prompt(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    seconds = {b: 0.0 for b in sizes}
-    tokens = {b: 0 for b in sizes}
+    ways = {
+        "wingspan": lambda batch: [g.tokens for g in target.generate(batch, args.max_new_tokens)],
+        "transformers": lambda batch: transformers_generate(target, batch, args.max_new_tokens),
+    }
+    seconds = {(way, b): 0.0 for way in ways for b in sizes}
+    replies: dict[tuple[str, int], list[list[int]]] = {}
     slots = {b: 0 for b in sizes}
-    replies: dict[int, list[list[int]]] = {}
     for repeat in range(args.repeats):
-        for b in sizes if repeat % 2 == 0 else sizes[::-1]:
-            out = []
-            started = time.perf_counter()
-            for i in range(0, len(chats), b):
-                batch = target.generate(chats[i : i + b], args.max_new_tokens)
-                out += [g.tokens for g in batch]
-                slots[b] += len(batch) * max(len(g.tokens) for g in batch)
-            seconds[b] += time.perf_counter() - started
-            tokens[b] += sum(len(t) for t in out)
-            replies[b] = out
-    first = replies[sizes[0]]
+        for b in sizes:
+            for way in list(ways) if repeat % 2 == 0 else list(ways)[::-1]:
+                out = []
+                started = time.perf_counter()
+                for i in range(0, len(chats), b):
+                    batch = ways[way](chats[i : i + b])
+                    out += batch
+                    if way == "transformers" and repeat == 0:
+                        slots[b] += len(batch) * max(len(t) for t in batch)
+                seconds[way, b] += time.perf_counter() - started
+                replies[way, b] = out
     print(f"{len(chats)} prompts, up to {args.max_new_tokens} new tokens, greedy, {args.repeats} pass(es)")
     print(
-        "| batch size | reply tokens/s | vs batch "
-        + str(sizes[0])
-        + " | live slots | replies equal to batch "
-        + str(sizes[0])
-        + "'s |"
+        "| batch size | wingspan tokens/s | transformers tokens/s | ratio | transformers' live slots | replies alike |"
     )
-    print("|---:|---:|---:|---:|---:|")
-    base = tokens[sizes[0]] / seconds[sizes[0]]
+    print("|---:|---:|---:|---:|---:|---:|")
     for b in sizes:
-        rate = tokens[b] / seconds[b]
-        same = sum(x == y for x, y in zip(replies[b], first))
-        print(f"| {b} | {rate:.0f} | {rate / base:.2f}x | {tokens[b] / slots[b]:.0%} | {same}/{len(first)} |")
+        tokens = {way: sum(len(t) for t in replies[way, b]) * args.repeats for way in ways}
+        rate = {way: tokens[way] / seconds[way, b] for way in ways}
+        alike = sum(x == y for x, y in zip(replies["wingspan", b], replies["transformers", b]))
+        live = tokens["transformers"] / args.repeats / slots[b]
+        ratio = rate["wingspan"] / rate["transformers"]
+        print(
+            f"| {b} | {rate['wingspan']:.0f} | {rate['transformers']:.0f} | {ratio:.2f}x | {live:.0%} | "
+            f"{alike}/{len(chats)} |"
+        )
 
 
 if __name__ == "__main__":

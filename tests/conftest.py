@@ -121,6 +121,24 @@ def random_llama_target(**config):
     return TargetModel(model, SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None), "tiny-llama")
 
 
+def hf_greedy(target, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
+    """transformers' own greedy `generate` of one prompt, cut before the first stop id: the reference that
+    every wingspan decoder (TargetModel.generate included) must reproduce."""
+    import torch
+    from transformers import GenerationConfig
+
+    # Every knob is set explicitly: unset ones would be filled from the checkpoint's generation_config.
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stop_ids), pad_token_id=0
+    )
+    ids = torch.tensor([prompt], device=target.device)
+    with torch.no_grad():
+        out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    tokens = out[0, len(prompt) :].tolist()
+    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), len(tokens))
+    return tokens[:stop]
+
+
 def tiny_draft_config(**fields):
     """The DraftConfig of the tiny drafts tests build (hidden 32, 4 heads over 2 kv heads of 8, aux layers
     1-3), with `fields` (vocab sizes, depth, ...) set or replaced."""

@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import torch
+from conftest import hf_greedy
 from test_speculative import (
     FAVOURED,
     SMALL_VOCAB,
@@ -38,7 +39,7 @@ def greedy(target: TargetModel, prompt: list[int], max_new_tokens: int, stop_ids
 def _greedy(target, prompt, max_new_tokens, stop_ids):
     if max_new_tokens == 0:  # generate refuses 0
         return []
-    return target.generate([list(prompt)], max_new_tokens, temperature=0.0, stop_ids=list(stop_ids))[0].tokens
+    return hf_greedy(target, list(prompt), max_new_tokens, list(stop_ids))
 
 
 def record_chains(monkeypatch) -> dict[str, list[tuple[int, ...]]]:

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import hf_greedy
 from test_speculative import sharpen
 from test_target import check_packed_rows
 
@@ -294,7 +295,7 @@ def test_speculative_decoding_gives_the_greedy_tokens(family):
     name, target = family
     draft = draft_for(target)
     prompts = [[5, 17, 300, 41], list(range(100, 111)), [9, 8, 7, 6, 5, 4, 3]]
-    expected = [target.generate([prompt], 14, stop_ids=[])[0].tokens for prompt in prompts]
+    expected = [hf_greedy(target, prompt, 14, []) for prompt in prompts]
     tree = TreeShape(depth=3, top_k=2, total_tokens=6)
     for prompt, tokens in zip(prompts, expected):
         for k in (1, 3):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from conftest import hf_greedy
 from test_speculative import PROMPTS, chi_square_p_value, exact_distribution, predictable_target, small_target  # noqa: F401
 
 from wingspan.decode.lookup import lookup_drafts, lookup_generate, lookup_outcomes, lookup_replay
@@ -70,7 +71,7 @@ def test_lookup_decoding_gives_the_greedy_tokens(predictable_target, k):
     target = predictable_target
     accepted = rejected = 0
     for prompt in PROMPTS[:3] + [[5, 17, 300, 5, 17, 300, 5, 17]]:
-        expected = target.generate([prompt], 40, temperature=0.0, stop_ids=[])[0].tokens
+        expected = hf_greedy(target, prompt, 40, [])
         result = lookup_generate(target, prompt, 40, k, 2, 4, stop_ids=[])
         assert result.tokens == expected
         assert result.target_forwards == 1 + len(result.accepted_per_round)
@@ -86,7 +87,7 @@ def test_lookup_decoding_gives_the_greedy_tokens(predictable_target, k):
 def test_lookup_decoding_stops_and_never_overshoots(predictable_target):
     target = predictable_target
     prompt = [5, 17, 300, 5, 17, 300, 5, 17]
-    expected = target.generate([prompt], 30, temperature=0.0, stop_ids=[])[0].tokens
+    expected = hf_greedy(target, prompt, 30, [])
     for max_new_tokens in (1, 2, 7):
         result = lookup_generate(target, prompt, max_new_tokens, 4, 2, 4, stop_ids=[])
         assert result.tokens == expected[:max_new_tokens]

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 from wingspan.data.template import end_of_turn_id
 from wingspan.errors import ModelError
@@ -135,12 +136,23 @@ def test_end_of_turn_of_a_mistral_style_template(tiny):
     assert end_of_turn_id(tokenizer, "assistant") is None
 
 
-def test_batched_greedy_generation_equals_one_by_one(tiny):
+def test_batched_greedy_generation_equals_transformers_one_by_one(tiny):
     prompts = [[1, 9, 10, 11], [1, 300, 301, 302, 303, 304, 305], [1, 42]]
     batched = tiny.generate(prompts, max_new_tokens=6, stop_ids=[99999])
     for prompt, generation in zip(prompts, batched):
-        assert generation == tiny.generate([prompt], max_new_tokens=6, stop_ids=[99999])[0]
+        assert generation.tokens == hf_greedy(tiny, prompt, 6, [99999])
         assert len(generation.tokens) == 6 and not generation.stopped
+
+
+def test_rows_that_stop_early_leave_the_batch_and_the_others_are_unchanged(tiny):
+    prompts = [[1, 9, 10, 11], [1, 300, 301, 302, 303, 304, 305], [1, 42]]
+    free = [g.tokens for g in tiny.generate(prompts, max_new_tokens=8, stop_ids=[99999])]
+    stop = free[0][1]  # ends the first row after one token
+    stopped = tiny.generate(prompts, max_new_tokens=8, stop_ids=[stop])
+    for tokens, generation in zip(free, stopped):
+        cut = tokens.index(stop) if stop in tokens else len(tokens)
+        assert generation.tokens == tokens[:cut] and generation.stopped == (stop in tokens)
+    assert stopped[0].stopped and len(stopped[0].tokens) <= 1
 
 
 def test_generation_stops_at_and_strips_the_first_stop_id(tiny):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,16 +28,16 @@ from wingspan.models.registry import resolve_target
 
 
 @dataclass
+class Generation:
+    tokens: list[int]  # the new tokens, without the stop token
+    stopped: bool  # ended on a stop token (False: hit max_new_tokens)
+
+
+@dataclass
 class TargetOutput:
     aux_hidden: torch.Tensor  # [B, T, len(aux_layer_ids) * H], in aux_layer_ids order
     logits: torch.Tensor | None = None  # [B, T, V]; None when last_hidden was asked for instead
     last_hidden: torch.Tensor | None = None  # [B, T, H], after the final norm (the lm_head's input)
-
-
-@dataclass
-class Generation:
-    tokens: list[int]  # the new tokens, without the stop token
-    stopped: bool  # ended on a stop token (False: hit max_new_tokens)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig) -> list[int]:
@@ -280,46 +280,24 @@ class TargetModel:
 
     # --------------------------------------------------------------------------------- generation
 
-    @torch.inference_mode()
     def generate(
         self,
         prompts: list[list[int]],
         max_new_tokens: int,
         temperature: float = 0.0,
-        top_p: float = 1.0,
         stop_ids: list[int] | None = None,
         seed: int | None = None,
     ) -> list[Generation]:
-        """Continue each prompt (token ids) in one left-padded batch; greedy when temperature == 0.
+        """Continue each prompt (token ids) in one batch; greedy when temperature == 0. Rows that are done
+        leave the batch (`plain_generate_batch`), so a batch costs what its live rows cost.
 
-        With a `seed`, sampling draws from a forked RNG seeded with it (the global RNG is left as it was),
-        so a batch is reproducible on its own, which is what resumable data generation needs.
+        With a `seed`, sampling draws from a generator of its own seeded with it (the global RNG is left as it
+        was), so a batch is reproducible on its own, which is what resumable data generation needs.
         """
-        stop_ids = self.eos_token_ids if stop_ids is None else stop_ids
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else stop_ids[0]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        # Every knob is set explicitly: unset ones would be filled from the checkpoint's generation_config.
-        if temperature > 0:
-            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-        else:
-            sampling = {"do_sample": False}
-        config = GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            eos_token_id=list(stop_ids),
-            pad_token_id=pad_id,
-            repetition_penalty=1.0,
-            **sampling,
+        from wingspan.decode.batched import plain_generate_batch
+
+        generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+        results = plain_generate_batch(
+            self, prompts, max_new_tokens, stop_ids, temperature=temperature, generator=generator
         )
-        devices = [] if self.device.type == "cpu" else [self.device]
-        with nullcontext() if seed is None else torch.random.fork_rng(devices=devices):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        stops = set(stop_ids)
-        results = []
-        for row in out[:, width:].tolist():
-            end = next((i for i, token in enumerate(row) if token in stops), None)
-            results.append(Generation(tokens=row if end is None else row[:end], stopped=end is not None))
-        return results
+        return [Generation(result.tokens, result.stopped) for result in results]
