@@ -69,14 +69,16 @@ def run_quickstart(
     from wingspan.export import export_draft, provenance_of
     from wingspan.models.draft import Eagle3Draft
     from wingspan.models.registry import resolve_target
-    from wingspan.pipeline import load_target, run_training
+    from wingspan.pipeline import load_target, run_dump, run_training
 
     started = time.perf_counter()
     config = TrainConfig(output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE | {"epochs": epochs})
     sample, invented = plan_conversations(prompts, prompt_share, conversations, config.seed)
     replies_path, synth_path = out / "replies.jsonl", out / "synth.jsonl"
     data = ([str(replies_path)] if sample else []) + ([str(synth_path)] if invented else [])
-    config = dataclasses.replace(config, data=data)
+    # The target's features are dumped once and read back every epoch: its forward is half of an online step.
+    dump_dir = out / "dump"
+    config = dataclasses.replace(config, data=data, from_dump=str(dump_dir))
     out.mkdir(parents=True, exist_ok=True)
     save_json(config, out / "train_config.json")
 
@@ -108,7 +110,8 @@ def run_quickstart(
             resume=True,
         )
 
-    print("[3/5] draft vocab and training")
+    print(f"[3/5] the target's features -> {dump_dir}, then the draft vocab and training")
+    run_dump(config, dump_dir, resume=True, target=target)
     draft_dir = run_training(config, resume="if-any", target=target)
 
     print("[4/5] export for vLLM")
@@ -129,6 +132,7 @@ def run_quickstart(
     print(f"""
 done in {minutes:.1f} min
   conversations : {", ".join(data)}
+  target features: {dump_dir} (read by `wingspan train -c {out / "train_config.json"}` too)
   draft vocab   : {vocab_path} ({vocab.draft_vocab_size} tokens, {vocab.coverage:.1%} coverage)
   training run  : {config.output_dir} (metrics.jsonl, checkpoints/)
   draft         : {draft_dir}

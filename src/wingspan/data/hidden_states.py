@@ -164,7 +164,11 @@ def require_match(where: Path, dump: DumpIdentity, wanted: DumpIdentity, compare
             "(compared by sha256)"
         )
     if differences:
-        raise DumpMismatchError(f"{where}: the dump does not match the config: " + "; ".join(differences))
+        raise DumpMismatchError(
+            f"{where}: the dump does not match the config: "
+            + "; ".join(differences)
+            + " (dump these settings with `wingspan dump`, or train online with from_dump=null)"
+        )
 
 
 # ------------------------------------------------------------------------------------------- writer
