@@ -854,8 +854,9 @@ def quickstart(
     ] = None,
     epochs: Annotated[float, typer.Option(help="Passes over the conversations.")] = 3.0,
 ) -> None:
-    """The main job on the embedded default: synthesize data, build the vocab, train a 2-layer draft, export it.
-    Larger --conversations (and --prompts) make the longer recipes of docs/quickstart.md."""
+    """The main job on the embedded default: synthesize data, dump the target's features, build the vocab, train
+    a 2-layer draft from the dump, export it and measure it. Larger --conversations (and --prompts) make the longer
+    recipes of docs/quickstart.md."""
     from wingspan.quickstart import run_quickstart
 
     run_quickstart(
