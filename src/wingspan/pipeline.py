@@ -128,7 +128,13 @@ def run_training(
         # A resumed run checks every shard's sha256, a fresh one their sizes (hashing a large dump takes minutes).
         resuming = bool(resume) and bool(checkpoint_directories(Path(config.output_dir)))
         dump = HiddenStateDump(config.from_dump, verify=resuming)
-        require_match(dump.path, dump.manifest.identity, dump_identity(config, target), compare_data=bool(config.data))
+        require_match(
+            dump.path,
+            dump.manifest.identity,
+            dump_identity(config, target),
+            compare_data=bool(config.data),
+            remedy="dump these settings with `wingspan dump`, or train online with from_dump=null",
+        )
         vocab, built = draft_vocab(config, target, dump.records)
         print0(f"{dump.path}: {len(dump.records)} conversations, {dump.manifest.num_tokens} tokens (dumped features)")
         features = DumpFeatures(dump, target, vocab.d2t)

@@ -142,8 +142,9 @@ def dump_identity(config: TrainConfig, target) -> DumpIdentity:
     )
 
 
-def require_match(where: Path, dump: DumpIdentity, wanted: DumpIdentity, compare_data: bool) -> None:
-    """Raise DumpMismatchError naming every field where the dump differs from what the config asks for."""
+def require_match(where: Path, dump: DumpIdentity, wanted: DumpIdentity, compare_data: bool, remedy: str) -> None:
+    """Raise DumpMismatchError naming every field where the dump differs from what the config asks for, and
+    `remedy`: what the caller's user can do instead."""
     differences = []
     if dump.target_fingerprint != wanted.target_fingerprint:
         differences.append(
@@ -165,9 +166,7 @@ def require_match(where: Path, dump: DumpIdentity, wanted: DumpIdentity, compare
         )
     if differences:
         raise DumpMismatchError(
-            f"{where}: the dump does not match the config: "
-            + "; ".join(differences)
-            + " (dump these settings with `wingspan dump`, or train online with from_dump=null)"
+            f"{where}: the dump does not match the config: " + "; ".join(differences) + f" ({remedy})"
         )
 
 
@@ -227,7 +226,9 @@ def write_dump(
         raise FileExistsError(f"{out} already holds a dump: pass --resume to continue it, or choose another --out")
     if manifest_path.exists():
         manifest = read_manifest(out)
-        require_match(out, manifest.identity, identity, compare_data=True)
+        require_match(
+            out, manifest.identity, identity, compare_data=True, remedy="dump these settings into another --out"
+        )
         for shard in manifest.shards:
             problem = shard.done and shard_problem(out, shard, hashes=True)
             if problem:
