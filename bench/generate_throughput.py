@@ -82,10 +82,10 @@ def main() -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|")
     for b in sizes:
-        tokens = {way: sum(len(t) for t in replies[way, b]) * args.repeats for way in ways}
-        rate = {way: tokens[way] / seconds[way, b] for way in ways}
+        written = {way: sum(len(t) for t in replies[way, b]) for way in ways}  # per pass
+        rate = {way: written[way] * args.repeats / seconds[way, b] for way in ways}
         alike = sum(x == y for x, y in zip(replies["wingspan", b], replies["transformers", b]))
-        live = tokens["transformers"] / args.repeats / slots[b]
+        live = written["transformers"] / slots[b]
         ratio = rate["wingspan"] / rate["transformers"]
         print(
             f"| {b} | {rate['wingspan']:.0f} | {rate['transformers']:.0f} | {ratio:.2f}x | {live:.0%} | "
