@@ -9,7 +9,15 @@ from test_eval_runner import draft, target  # noqa: F401
 
 from wingspan.errors import DataError
 from wingspan.export import ExportSettings, export_draft
-from wingspan.quickstart import fastest, measure_draft, measurement_lines, plan_conversations, prompt_sample
+from wingspan.quickstart import (
+    fastest,
+    keep_text,
+    measure_draft,
+    measurement_lines,
+    plan_conversations,
+    prompt_sample,
+    text_sample,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,3 +112,74 @@ def test_prompts_and_invented_conversations_share_the_count(tmp_path, capsys):
         plan_conversations((), 0.5, 8, seed=0)
     with pytest.raises(ConfigError, match="--prompt-share: expected a share from 0 to 1, got 1.5"):
         plan_conversations(files, 1.5, 8, seed=0)
+
+
+def test_text_is_drawn_whole_from_all_files_with_replies_only(tmp_path):
+    from wingspan.errors import ConfigError
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": str(i),
+                    "messages": [
+                        {"role": "user", "content": f"question {i}"},
+                        {"role": "assistant", "content": f"answer {i}"},
+                        {"role": "user", "content": "and then?"},
+                        {"role": "assistant", "content": f"more on {i}"},
+                    ],
+                }
+            )
+            + "\n"
+            for i in range(5)
+        )
+        + json.dumps({"id": "unanswered", "messages": [{"role": "user", "content": "no reply"}]})
+        + "\n"
+    )
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps({"question": f"sum {i}", "answer": f"it is {i}"}) + "\n" for i in range(4)))
+
+    drawn = text_sample((str(chats), str(answers)), 6, seed=0)
+    assert len(drawn) == 6 and {c.id.split("/")[0] for c in drawn} == {"chats.jsonl", "answers.jsonl"}
+    for conversation in drawn:  # kept whole: every turn, replies included
+        number = conversation.id.split("/")[1]
+        roles = [m.role for m in conversation.messages]
+        if conversation.id.startswith("chats"):
+            assert roles == ["user", "assistant", "user", "assistant"]
+            assert conversation.messages[-1].content == f"more on {number}"
+        else:  # no ids in the file: each is named by its line
+            asked = conversation.messages[0].content.removeprefix("sum ")
+            assert roles == ["user", "assistant"] and conversation.messages[1].content == f"it is {asked}"
+    everything = text_sample((str(chats), str(answers)), None, seed=0)
+    assert len(everything) == 9 and "chats.jsonl/unanswered" not in {c.id for c in everything}
+    assert [c.id for c in everything[:6]] == [c.id for c in drawn]  # a larger draw extends a smaller one
+    assert [c.id for c in text_sample((str(chats), str(answers)), None, seed=1)] != [c.id for c in everything]
+    assert text_sample((), None, seed=0) == []
+
+    with pytest.raises(ConfigError, match="--text-conversations: needs --text"):
+        text_sample((), 5, seed=0)
+    with pytest.raises(ConfigError, match="--text-conversations: expected at least 1, got 0"):
+        text_sample((str(chats),), 0, seed=0)
+    prompts_only = tmp_path / "prompts.jsonl"
+    prompts_only.write_text(json.dumps({"id": "q", "turns": ["a question"]}) + "\n")
+    with pytest.raises(DataError, match="prompts.jsonl: no usable conversation"):
+        text_sample((str(prompts_only),), None, seed=0)
+
+
+def test_the_drawn_text_is_kept_and_a_different_draw_refused(tmp_path):
+    from wingspan.data.conversations import read_conversations
+    from wingspan.errors import ConfigError
+
+    source = tmp_path / "answers.jsonl"
+    source.write_text("".join(json.dumps({"question": f"sum {i}", "answer": f"it is {i}"}) + "\n" for i in range(6)))
+    kept = tmp_path / "out" / "text.jsonl"
+    drawn = text_sample((str(source),), 4, seed=0)
+    keep_text(drawn, kept)
+    assert [(c.id, c.as_dicts()) for c in read_conversations(kept)[0]] == [(c.id, c.as_dicts()) for c in drawn]
+    before = kept.read_bytes()
+    keep_text(text_sample((str(source),), 4, seed=0), kept)  # a rerun: the same draw, left as it is
+    assert kept.read_bytes() == before
+    with pytest.raises(ConfigError, match=r"text.jsonl: holds another draw of --text .* its own --out"):
+        keep_text(text_sample((str(source),), 5, seed=0), kept)
+    assert kept.read_bytes() == before

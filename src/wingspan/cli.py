@@ -853,6 +853,18 @@ def quickstart(
         ),
     ] = None,
     epochs: Annotated[float, typer.Option(help="Passes over the conversations.")] = 3.0,
+    text: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A conversation file written by others, with assistant replies (any format `wingspan train` "
+            "reads; repeatable): trained on as it is, at the target's labels, beside the target's own "
+            "conversations; nothing is generated for it."
+        ),
+    ] = None,
+    text_conversations: Annotated[
+        int | None,
+        typer.Option(min=1, help="With --text: how many of its conversations to draw at random (default all)."),
+    ] = None,
 ) -> None:
     """The main job on the embedded default: synthesize data, dump the target's features, build the vocab, train
     a 2-layer draft from the dump, export it and measure it. Larger --conversations (and --prompts) make the longer
@@ -866,6 +878,8 @@ def quickstart(
         prompts=tuple(prompts or ()),
         prompt_share=prompt_share,
         epochs=epochs,
+        text=tuple(text or ()),
+        text_conversations=text_conversations,
     )
 
 

@@ -59,11 +59,15 @@ def run_quickstart(
     prompts: tuple[str, ...] = (),
     prompt_share: float | None = None,
     epochs: float = QUICKSTART_RECIPE["epochs"],
+    text: tuple[str, ...] = (),
+    text_conversations: int | None = None,
 ) -> Path:
     """The main job (the module's docstring). `conversations`: how many the target writes; with `prompts`
     (prompt or conversation files) it answers their first user turns in `prompt_share` of them and invents the
-    rest (`plan_conversations`). `epochs`: passes over them. The defaults are the quickstart's recipe; larger
-    ones make the longer recipes of docs/quickstart.md."""
+    rest (`plan_conversations`). `text`: conversation files written by others, of which `text_conversations`
+    (default all) are drawn and trained on as they are, at the target's labels, with no generation
+    (`text_sample`). `epochs`: passes over all of them. The defaults are the quickstart's recipe; larger ones
+    make the longer recipes of docs/quickstart.md."""
     from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.vocab import DraftVocab
     from wingspan.export import export_draft, provenance_of
@@ -74,8 +78,13 @@ def run_quickstart(
     started = time.perf_counter()
     config = TrainConfig(output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE | {"epochs": epochs})
     sample, invented = plan_conversations(prompts, prompt_share, conversations, config.seed)
-    replies_path, synth_path = out / "replies.jsonl", out / "synth.jsonl"
-    data = ([str(replies_path)] if sample else []) + ([str(synth_path)] if invented else [])
+    written = text_sample(text, text_conversations, config.seed)
+    replies_path, synth_path, text_path = out / "replies.jsonl", out / "synth.jsonl", out / "text.jsonl"
+    data = (
+        ([str(replies_path)] if sample else [])
+        + ([str(synth_path)] if invented else [])
+        + ([str(text_path)] if written else [])
+    )
     # The target's features are dumped once and read back every epoch: its forward is half of an online step.
     dump_dir = out / "dump"
     config = dataclasses.replace(config, data=data, from_dump=str(dump_dir))
@@ -109,6 +118,9 @@ def run_quickstart(
             seed=config.seed,
             resume=True,
         )
+    if written:
+        print(f"[2/5] {len(written)} conversations written by others, from {', '.join(text)} -> {text_path}")
+        keep_text(written, text_path)
 
     print(f"[3/5] the target's features -> {dump_dir}, then the draft vocab and training")
     run_dump(config, dump_dir, resume=True, target=target)
@@ -169,23 +181,61 @@ def plan_conversations(
 def prompt_sample(files: tuple[str, ...], count: int, seed: int) -> list[Conversation]:
     """`count` conversations drawn at random (seeded) from all of `files` together, each cut to its first user
     turn (and any system message before it): the prompts the target answers. Fewer when the files hold fewer."""
+    pool = []
+    for conversation in _drawn(files, "--prompts", seed, require_assistant=False)[:count]:
+        first_user = next(i for i, m in enumerate(conversation.messages) if m.role == "user")
+        pool.append(dataclasses.replace(conversation, messages=conversation.messages[: first_user + 1]))
+    return pool
+
+
+def text_sample(files: tuple[str, ...], count: int | None, seed: int) -> list[Conversation]:
+    """`count` (default all) conversations with assistant turns drawn at random (seeded) from all of `files`
+    together, kept whole: text written by others, which the draft learns at the target's labels."""
+    if not files:
+        if count is not None:
+            raise ConfigError("--text-conversations: needs --text (the files to draw them from)")
+        return []
+    if count is not None and count < 1:
+        raise ConfigError(f"--text-conversations: expected at least 1, got {count}")
+    return _drawn(files, "--text", seed, require_assistant=True)[:count]
+
+
+def keep_text(written: list[Conversation], path: Path) -> None:
+    """Write the drawn text to `path`, a file of its own so that the training config alone says what was trained
+    on; a rerun finds it there, and one that drew other text is refused before it replaces what the dump and
+    the checkpoints were made from."""
+    from wingspan.data.conversations import read_conversations, write_conversations_jsonl
+
+    if path.exists():
+        kept, _ = read_conversations(path)
+        if [(c.id, c.as_dicts()) for c in kept] != [(c.id, c.as_dicts()) for c in written]:
+            raise ConfigError(
+                f"{path}: holds another draw of --text (other files or --text-conversations); "
+                "give a changed setting its own --out"
+            )
+        return
+    write_conversations_jsonl(written, path)
+
+
+def _drawn(files: tuple[str, ...], option: str, seed: int, require_assistant: bool) -> list[Conversation]:
+    """All conversations of `files` in a seeded random order; with several files, ids name their file too
+    (regeneration resumes by id, and two files may share one)."""
     from wingspan.data.conversations import read_conversations
 
     pool = []
     for path in files:
-        conversations, report = read_conversations(path)  # each with a user turn, or a DataError naming the file
+        # each with a user turn (and an assistant turn when required), or a DataError naming the file
+        conversations, report = read_conversations(path, require_assistant=require_assistant)
         if report.skipped:
             print(report.summary())
         for conversation in conversations:
-            first_user = next(i for i, m in enumerate(conversation.messages) if m.role == "user")
-            # ids name the file too: regeneration resumes by id, and two files may share one
             named = f"{Path(path).name}/{conversation.id}" if len(files) > 1 else conversation.id
-            pool.append(dataclasses.replace(conversation, messages=conversation.messages[: first_user + 1], id=named))
+            pool.append(dataclasses.replace(conversation, id=named))
     repeated = [i for i, n in Counter(c.id for c in pool).items() if n > 1]
     if repeated:
-        raise DataError(f"--prompts: ids {repeated[:3]} occur more than once in {', '.join(files)}")
-    random.Random(f"prompts/{seed}").shuffle(pool)
-    return pool[:count]
+        raise DataError(f"{option}: ids {repeated[:3]} occur more than once in {', '.join(files)}")
+    random.Random(f"{option.strip('-')}/{seed}").shuffle(pool)
+    return pool
 
 
 def measure_draft(
