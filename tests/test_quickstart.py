@@ -183,3 +183,10 @@ def test_the_drawn_text_is_kept_and_a_different_draw_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"text.jsonl: holds another draw of --text .* its own --out"):
         keep_text(text_sample((str(source),), 5, seed=0), kept)
     assert kept.read_bytes() == before
+
+    from wingspan.quickstart import run_quickstart
+
+    # the quickstart refuses it first, before it writes its config or loads the target
+    with pytest.raises(ConfigError, match=r"text.jsonl: holds another draw of --text"):
+        run_quickstart(kept.parent, device="cpu", text=(str(source),), text_conversations=5)
+    assert kept.read_bytes() == before and not (kept.parent / "train_config.json").exists()

@@ -89,6 +89,8 @@ def run_quickstart(
     dump_dir = out / "dump"
     config = dataclasses.replace(config, data=data, from_dump=str(dump_dir))
     out.mkdir(parents=True, exist_ok=True)
+    if written:  # first: a rerun that drew other text is refused before anything of the earlier run is replaced
+        keep_text(written, text_path)
     save_json(config, out / "train_config.json")
 
     print(f"[1/5] target {config.target} ({config.target_dtype})")
@@ -119,8 +121,7 @@ def run_quickstart(
             resume=True,
         )
     if written:
-        print(f"[2/5] {len(written)} conversations written by others, from {', '.join(text)} -> {text_path}")
-        keep_text(written, text_path)
+        print(f"[2/5] {len(written)} conversations written by others, from {', '.join(text)}: {text_path}")
 
     print(f"[3/5] the target's features -> {dump_dir}, then the draft vocab and training")
     run_dump(config, dump_dir, resume=True, target=target)
@@ -202,8 +203,7 @@ def text_sample(files: tuple[str, ...], count: int | None, seed: int) -> list[Co
 
 def keep_text(written: list[Conversation], path: Path) -> None:
     """Write the drawn text to `path`, a file of its own so that the training config alone says what was trained
-    on; a rerun finds it there, and one that drew other text is refused before it replaces what the dump and
-    the checkpoints were made from."""
+    on; a rerun finds it there, and one that drew other text is refused (ConfigError) and `path` left as it is."""
     from wingspan.data.conversations import read_conversations, write_conversations_jsonl
 
     if path.exists():
