@@ -1,11 +1,13 @@
 """The device setting: its names, what `auto` resolves to with and without GPUs and under torchrun, errors that
-name the setting, and the start-up line; the tokenizer-only target of `wingspan vocab`."""
+name the setting, and the start-up line; the tokenizer-only target of `wingspan vocab`; freed CPU memory handed
+back to the system."""
 
 import pytest
 import torch
 
+from wingspan import devices
 from wingspan.config import TrainConfig
-from wingspan.devices import device_name, resolve_device, use_cpu_threads
+from wingspan.devices import device_name, release_freed_memory, resolve_device, use_cpu_threads
 from wingspan.errors import ConfigError
 from wingspan.models.target import TargetModel, TargetVocabulary
 
@@ -76,3 +78,19 @@ def test_tokenizer_only_target_equals_the_loaded_model(tiny_llama_dir):
     assert text.vocab_size == model.vocab_size
     assert text.eos_token_ids == model.eos_token_ids
     assert text.tokenizer.get_vocab() == model.tokenizer.get_vocab()
+
+
+def resident_anonymous_mib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(devices._LIBC is None, reason="glibc's malloc_trim only")
+def test_freed_heap_memory_goes_back_to_the_system():
+    blocks = [torch.ones(25_000) for _ in range(4000)]  # 100 KB each: glibc serves them from its heap
+    kept = blocks[-1]  # the heap's top stays in use, so glibc cannot shrink it by itself
+    del blocks
+    before = resident_anonymous_mib()
+    release_freed_memory()
+    assert before - resident_anonymous_mib() > 200  # of the 400 MB freed
+    assert kept.sum() == 25_000

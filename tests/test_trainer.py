@@ -285,3 +285,13 @@ def test_training_starts_from_an_imported_draft(tiny_target, tmp_path):
     assert Eagle3Draft.load(continued).config.mask_token_id == 7
     with pytest.raises(ConfigError, match="mask_token_id: the draft has 7, the run 9"):
         train(config(tmp_path / "i", init_from=str(marked), mask_token_id=9, **parallel), tiny_target, data, d2t, t2d)
+
+
+def test_a_cpu_run_hands_freed_memory_back_every_few_steps(tiny_target, tmp_path, monkeypatch):
+    import wingspan.train.trainer as trainer
+
+    releases = []
+    monkeypatch.setattr(trainer, "release_freed_memory", lambda: releases.append(1))
+    d2t, t2d = identity_vocab()
+    train(config(tmp_path, max_steps=2 * trainer.RELEASE_MEMORY_EVERY + 3), tiny_target, sequences(6, 20), d2t, t2d)
+    assert len(releases) == 2

@@ -6,6 +6,7 @@ and the dtype are printed when a command starts, so a run never trains on the CP
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -60,3 +61,24 @@ def use_cpu_threads(device: torch.device, threads: int | None) -> None:
     """torch's CPU thread count, when the work runs on the CPU (on a GPU it only slows the data loader)."""
     if threads and device.type == "cpu":
         torch.set_num_threads(threads)
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # musl and other C libraries: nothing to do
+        return None
+
+
+_LIBC = _glibc()
+
+
+def release_freed_memory() -> None:
+    """Hand the pages of freed CPU tensors back to the system (glibc's malloc_trim). A CPU training loop
+    allocates tensors of a different size every step; glibc keeps the freed ones resident, so the process grows
+    step after step (docs/training.md, "Memory on the CPU"). Elsewhere a no-op."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

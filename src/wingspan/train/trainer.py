@@ -28,6 +28,7 @@ from wingspan.config import DraftConfig, TargetIdentity, TrainConfig, save_json,
 from wingspan.data.batching import MicroBatch, collate, plan_epoch
 from wingspan.data.template import TokenizedConversation
 from wingspan.data.vocab import DraftVocab
+from wingspan.devices import release_freed_memory
 from wingspan.dtypes import dtype_name
 from wingspan.errors import CheckpointError, ConfigError, TrainingError, WingspanError
 from wingspan.models.draft import Eagle3Draft, write_draft
@@ -55,6 +56,9 @@ from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, s
 # (1e-3 and 4e-3 measured no different: docs/results/recipe.md). It is the default lr for a target that wide,
 # scaled by 576 / hidden size for wider ones (Adam's rule under muP for the matrices that read the hidden state),
 # and not raised for narrower ones, where it was never measured.
+# On the CPU, freed tensors' pages go back to the system every this many steps (release_freed_memory): without
+# it the process grows step after step; every step costs throughput (bench/train_memory.py).
+RELEASE_MEMORY_EVERY = 10
 DEFAULT_LR = 2e-3
 DEFAULT_LR_WIDTH = 576
 # The default epochs: as many passes as it takes to train on this many tokens, within [1, MAX_DEFAULT_EPOCHS].
@@ -624,6 +628,8 @@ def train(
             step += 1
             guard.add(step, group, metrics)
             log.add(metrics)
+            if trainee.device.type == "cpu" and step % RELEASE_MEMORY_EVERY == 0:
+                release_freed_memory()
             progress.update(1)
             if step % config.log_every == 0 or step == total_steps:
                 guard.check(last_checkpoint)
