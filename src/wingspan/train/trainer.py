@@ -52,13 +52,15 @@ from wingspan.train.features import FeatureSource, OnlineFeatures
 from wingspan.train.resume import cut_metrics, describe_run, require_same_run
 from wingspan.train.ttt import TTTBatch, TTTLoss, simulated_acceptance_length, step_weights_of
 
+# On the CPU, freed tensors' pages go back to the system every this many steps (release_freed_memory): without
+# it the process grows step after step; releasing more often bounds it tighter at more cost in throughput
+# (bench/train_memory.py).
+RELEASE_MEMORY_EVERY = 10
+
 # The learning rate of the measured recipe for SmolLM2-135M (hidden size 576) at 2048-token steps, a flat optimum
 # (1e-3 and 4e-3 measured no different: docs/results/recipe.md). It is the default lr for a target that wide,
 # scaled by 576 / hidden size for wider ones (Adam's rule under muP for the matrices that read the hidden state),
 # and not raised for narrower ones, where it was never measured.
-# On the CPU, freed tensors' pages go back to the system every this many steps (release_freed_memory): without
-# it the process grows step after step; every step costs throughput (bench/train_memory.py).
-RELEASE_MEMORY_EVERY = 10
 DEFAULT_LR = 2e-3
 DEFAULT_LR_WIDTH = 576
 # The default epochs: as many passes as it takes to train on this many tokens, within [1, MAX_DEFAULT_EPOCHS].
