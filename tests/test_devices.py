@@ -1,6 +1,6 @@
 """The device setting: its names, what `auto` resolves to with and without GPUs and under torchrun, errors that
 name the setting, and the start-up line; the tokenizer-only target of `wingspan vocab`; freed CPU memory handed
-back to the system."""
+back to the system; the process's first vector-math call made from one thread."""
 
 import pytest
 import torch
@@ -70,6 +70,28 @@ def test_target_load_announces_device_and_dtype(tiny_llama_dir, capsys):
     assert target.device == torch.device("cpu")
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("target ")]
     assert line.startswith(f"target {tiny_llama_dir}: device cpu (") and line.endswith("dtype float32")
+
+
+def test_a_target_load_makes_the_first_vector_math_call_before_the_model_loads(tiny_llama_dir, monkeypatch):
+    import wingspan.models.target as target_module
+
+    calls = []
+    from_pretrained = target_module.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(target_module, "start_vector_math", lambda: calls.append("vector math"))
+    monkeypatch.setattr(
+        target_module.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *args, **kwargs: calls.append("model") or from_pretrained(*args, **kwargs),
+    )
+    TargetModel.load(str(tiny_llama_dir), dtype="float32", device="cpu")
+    assert calls == ["vector math", "model"]
+
+
+def test_the_first_vector_math_call_is_one_element_so_one_thread():
+    # a large first call, split between threads, sometimes computes a share less accurately (docs/reliability.md)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as trace:
+        devices.start_vector_math()
+    assert [(e.name, e.input_shapes) for e in trace.events() if e.name == "aten::exp"] == [("aten::exp", [[1]])]
 
 
 def test_tokenizer_only_target_equals_the_loaded_model(tiny_llama_dir):

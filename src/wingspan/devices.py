@@ -63,6 +63,15 @@ def use_cpu_threads(device: torch.device, threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def start_vector_math() -> None:
+    """Make the process's first call into torch's CPU vector math (MKL's VML, behind exp, cos, sin, log, tanh
+    and others) on one element, so from one thread, before any model runs (`TargetModel.load` calls it). When
+    the first call is a large one, split between OpenMP threads, one thread's share is sometimes computed less
+    accurately, in some processes and not others, and two runs of the same command then differ from the RoPE
+    of their first step (docs/reliability.md, "Run to run on the CPU"). Later calls are not affected."""
+    torch.ones(1).exp()
+
+
 def _glibc():
     if not sys.platform.startswith("linux"):
         return None

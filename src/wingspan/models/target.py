@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from wingspan.data.batching import block_causal_mask, is_packed
 from wingspan.data.template import end_of_turn_id, set_chat_template
-from wingspan.devices import announce, resolve_device
+from wingspan.devices import announce, resolve_device, start_vector_math
 from wingspan.dtypes import slow_dtype_warning, torch_dtype
 from wingspan.errors import ConfigError, ModelError
 from wingspan.models.families import family_of, sliding_window
@@ -147,6 +147,7 @@ class TargetModel:
             dtype = torch_dtype(dtype)
         if isinstance(device, str):
             device = resolve_device(device)
+        start_vector_math()
         path = resolve_target(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

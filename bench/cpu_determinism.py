@@ -1,0 +1,73 @@
+"""Run to run: the same CPU training command, started again and again, with and without `start_vector_math`.
+
+Each run is `wingspan train -c CONFIG output_dir=TMP max_steps=N log_every=1 ...` in a fresh process, one
+after another; the runs of one arm are identical commands, so every run should log the same losses bit for
+bit. The arm "without" replaces `start_vector_math` (`TargetModel.load` calls it) with a no-op in the child,
+so the process's first vector-math call is whatever the run makes first (the RoPE's cos of the first step).
+For each arm it prints how many runs there were and each distinct (step-1 loss_0, last-step loss_0) with its count.
+
+    python bench/cpu_determinism.py --config runs/2h-text/train_config.json --runs 8 --steps 3 \
+        num_hidden_layers=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = (
+    "import sys; import wingspan.models.target as target; "
+    "target.start_vector_math = (lambda: None) if sys.argv[1] == 'without' else target.start_vector_math; "
+    "from wingspan.cli import main; sys.argv = ['wingspan', *sys.argv[2:]]; sys.exit(main())"
+)
+
+
+def run(arm: str, config: str, steps: int, overrides: list[str], work: Path) -> tuple[str, str]:
+    out = Path(tempfile.mkdtemp(prefix=f"{arm}-", dir=work))
+    command = [
+        sys.executable,
+        "-c",
+        CHILD,
+        arm,
+        "train",
+        "-c",
+        config,
+        f"output_dir={out / 'run'}",
+        f"max_steps={steps}",
+        f"save_every={steps}",
+        "log_every=1",
+        *overrides,
+    ]
+    with open(out / "train.log", "w") as log:
+        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"{arm}: wingspan train failed; see {out / 'train.log'}")
+    windows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    return repr(windows[0]["loss_0"]), repr(windows[-1]["loss_0"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="a train_config.json (or yaml)")
+    parser.add_argument("--runs", type=int, default=8, help="runs per arm")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="more key=value settings for every run")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="cpu-determinism-"))
+    for arm in ("with", "without"):
+        outcomes = collections.Counter()
+        for index in range(args.runs):
+            outcomes[run(arm, args.config, args.steps, args.overrides, work)] += 1
+            print(f"{arm}: run {index + 1}/{args.runs} done", file=sys.stderr, flush=True)
+        print(f"{arm} start_vector_math: {args.runs} runs, {len(outcomes)} distinct outcome(s)")
+        for (first, last), count in outcomes.most_common():
+            print(f"  {count} x  step 1 loss_0 {first}, step {args.steps} loss_0 {last}")
+    print(f"(runs in {work})")
+
+
+if __name__ == "__main__":
+    main()
