@@ -1,6 +1,7 @@
 """The layer-scaling study: the log-linear fit, the prompt bootstrap, the config checks, and a whole tiny study
 that resumes."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -9,6 +10,10 @@ import sys
 import pytest
 
 from wingspan.errors import ConfigError
+from wingspan.eval.prompts import load_prompt_sets
+from wingspan.eval.replay import build_references, replay
+from wingspan.eval.runner import load_draft
+from wingspan.pipeline import load_target
 from wingspan.study import layers as study_layers
 from wingspan.study.config import StudyConfig
 from wingspan.study.fit import bootstrap_interval, fit_log_linear, log_slope, prompts_tau, t_cdf, t_quantile
@@ -247,6 +252,40 @@ def test_a_study_of_chain_and_parallel_drafts(tiny_study, tmp_path):
     tau = counting["acceptance_length"]
     assert f"- P-D1 vs D1: 3 drafts per round, tau {tau:.3f} from one forward" in report
     assert "parallel - chain 95% paired CI [" in report
+
+
+def test_a_study_replayed_on_references_scores_each_draft_as_replay_does(tiny_study, tmp_path):
+    """With references, chain and parallel settings are scored on the references' replies (no tree, no speed):
+    each figure is `replay`'s for that draft; references of another dtype are refused before any training."""
+    config, _ = tiny_study
+    target = load_target(config.base_train_config())
+    sets = load_prompt_sets(config.sets, config.limit)
+    references = build_references(target, config.target, "float32", sets, config.max_new_tokens, True)
+    path = tmp_path / "refs.safetensors"
+    references.save(path)
+    grid = {"layers": [1], "injection": ["first"], "modes": ["chain", "parallel"], "references": str(path)}
+    run_study(StudyConfig(**{**config.__dict__, **grid}), tmp_path / "study")
+
+    out = tmp_path / "study"
+    by_name = {s["name"]: s for s in json.loads((out / "results.json").read_text())["settings"]}
+    assert {name: list(s["eval"]) for name, s in by_name.items()} == {"D1": ["chain"], "P-D1": ["parallel"]}
+    for name, decoder in (("D1", "chain"), ("P-D1", "parallel")):
+        (expected,) = replay(load_draft(out / "settings" / name / "run/draft", target), references, 3)
+        measured = by_name[name]["eval"][decoder]["counting"]
+        assert measured["acceptance_length"] == expected.acceptance_length
+        assert measured["acceptance_per_position"] == expected.acceptance_per_position
+        assert by_name[name]["prompts"][decoder]["counting"] == [[p.id, p.rounds, p.accepted] for p in expected.prompts]
+        assert by_name[name]["draft_cost"][decoder] is None
+    report = (out / "report.md").read_text()
+    assert f"replayed on the references `{path}`" in report and "| n/a |" in report
+    assert "parallel - chain 95% paired CI [" in report
+    assert (out / "tau_vs_depth.png").exists() and not (out / "speedup_vs_depth.png").exists()
+
+    dataclasses.replace(references, dtype="bfloat16").save(tmp_path / "bf16.safetensors")
+    other = StudyConfig(**{**config.__dict__, **grid, "references": str(tmp_path / "bf16.safetensors")})
+    with pytest.raises(ConfigError, match=r"references of target .* in bfloat16; the study trains for .* in float32"):
+        run_study(other, tmp_path / "refused")
+    assert not (tmp_path / "refused/settings").exists()
 
 
 def test_rerun_retrains_and_reevaluates_nothing_and_extends_the_grid(tiny_study, monkeypatch):

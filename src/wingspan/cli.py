@@ -795,6 +795,14 @@ def study_layers(
     ] = 3,
     tree: Annotated[str, typer.Option(help="The tree decoder: DEPTH,TOPK,TOTAL.")] = "4,4,16",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Cap on each reply.")] = 256,
+    references: Annotated[
+        Path | None,
+        typer.Option(
+            help="A `wingspan replay references` file of the same target and dtype: score every setting on its "
+            "replies (chain and parallel, exact, about 30 s a draft; no tree, no speed) in place of decoding "
+            "--sets."
+        ),
+    ] = None,
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")] = None,
     tracker: TrackerOption = "",
@@ -825,6 +833,7 @@ def study_layers(
             tree=list(parse_tree(tree)),
             max_new_tokens=max_new_tokens,
             train=apply_overrides({}, list(ctx.args)),
+            references=None if references is None else str(references),
         ),
     )
     trackers = parse_trackers(tracker)

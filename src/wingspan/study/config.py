@@ -50,6 +50,9 @@ class StudyConfig:
     tree: list[int] = field(default_factory=lambda: [4, 4, 16])  # the tree decoder: depth, top-k, total tokens
     max_new_tokens: int = 256
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields shared by every setting
+    # a `wingspan replay references` file: every setting is scored on its replies (chain and parallel drafts,
+    # exactly; no tree, no speed) in place of decoding `sets`, and its sets are the study's
+    references: str | None = None
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -83,7 +86,13 @@ class StudyConfig:
         return from_dict(TrainConfig, {"target": self.target, "data": self.data, **self.train}, where="train")
 
     def decoders(self) -> list[str]:
-        return [decoder for mode in self.modes for decoder in DECODERS_OF_MODE[mode]]
+        """The decoders that measure the study's settings (replayed references measure no tree)."""
+        return [
+            decoder
+            for mode in self.modes
+            for decoder in DECODERS_OF_MODE[mode]
+            if not (self.references and decoder == "tree")
+        ]
 
     def eval_settings(self, decoder: str) -> EvalSettings:
         tree = dict(zip(("tree_depth", "tree_top_k", "tree_total_tokens"), self.tree)) if decoder == "tree" else {}

@@ -8,8 +8,10 @@ Layout of the output directory (every stage skips what it finds done, so re-runn
     shared/vocab.safetensors       one draft vocab for every setting
     shared/dump/                   one hidden-state dump (`wingspan dump`) every setting trains from
     settings/<name>/run/           the training run (checkpoints, metrics.jsonl, draft/ when finished)
-    settings/<name>/eval/<decoder>/<set>.json   one SetResult per decoder and prompt set
-    results.json, report.md, tau_vs_depth.png, speedup_vs_depth.png   (wingspan.study.report)
+    settings/<name>/eval/<decoder>/<set>.json   one SetResult per decoder and prompt set (a ReplayedSet when the
+                                                study replays references)
+    results.json, report.md, tau_vs_depth.png, speedup_vs_depth.png   (wingspan.study.report; no speedup plot
+                                                                       when replayed)
 
 With D = 1 both injection modes are the same model (layer 0 always reads the embeddings), so the grid
 trains it once, as setting "D1" (a parallel draft: "P-D1"), and both series start from it.
@@ -25,6 +27,7 @@ from typing import Any
 from wingspan.config import TTT_STEPS_DEFAULT, TrainConfig, from_dict, read_mapping, save_json, to_dict
 from wingspan.errors import ConfigError
 from wingspan.eval.prompts import EvalPrompt, load_prompt_sets
+from wingspan.eval.replay import References, layer_columns, replay
 from wingspan.eval.runner import evaluate, load_draft
 from wingspan.files import write_text_atomically
 from wingspan.models.draft import Eagle3Draft
@@ -118,7 +121,7 @@ def evaluate_setting(
     """Each of the setting's decoders on every prompt set; a (decoder, set) with a result on disk is not
     measured again."""
     draft = None
-    for decoder in setting.decoders:
+    for decoder in measured_decoders(config, setting):
         settings = config.eval_settings(decoder)
         for name, prompts in prompt_sets.items():
             path = setting_dir(out, setting) / "eval" / decoder / f"{name}.json"
@@ -132,6 +135,43 @@ def evaluate_setting(
             write_text_atomically(
                 path, json.dumps({"settings": to_dict(settings), "result": to_dict(result)}, indent=1) + "\n"
             )
+
+
+def replay_setting(
+    config: StudyConfig, setting: Setting, draft_dir: Path, target, references: References, out: Path
+) -> None:
+    """The setting's draft scored on the references' replies (`wingspan replay score`), one result per set, in
+    place of `evaluate_setting`; a decoder whose results are all on disk is not scored again."""
+    for decoder in measured_decoders(config, setting):
+        paths = {name: setting_dir(out, setting) / "eval" / decoder / f"{name}.json" for name in references.set_names()}
+        if all(path.exists() for path in paths.values()):
+            continue
+        print(f"[{setting.name}] {decoder}, replayed on {config.references}")
+        settings = {"references": config.references, "num_draft_tokens": config.num_draft_tokens}
+        for result in replay(load_draft(draft_dir, target), references, config.num_draft_tokens):
+            paths[result.name].parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(
+                paths[result.name], json.dumps({"settings": settings, "result": to_dict(result)}, indent=1) + "\n"
+            )
+
+
+def measured_decoders(config: StudyConfig, setting: Setting) -> list[str]:
+    return [decoder for decoder in setting.decoders if decoder in config.decoders()]
+
+
+def open_references(config: StudyConfig, target) -> References:
+    """The study's references, checked against its target before any training: the same target and dtype (the
+    drafts are scored in the target's dtype, as the references were made) and the aux layers the drafts read."""
+    references = References.load(config.references)
+    dtype = config.base_train_config().target_dtype
+    if (references.target, references.dtype) != (config.target, dtype):
+        raise ConfigError(
+            f"{config.references}: references of target {references.target!r} in {references.dtype}; the study "
+            f"trains for {config.target!r} in {dtype} (make them with `wingspan replay references` for that target "
+            "and dtype)"
+        )
+    layer_columns(list(target.aux_layer_ids), references, "the study's drafts")
+    return references
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -150,7 +190,7 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
         evals: dict[str, dict[str, dict[str, Any]]] = {}
         cost: dict[str, float | None] = {}
         prompts: dict[str, dict[str, list[tuple[str, int, int]]]] = {}
-        for decoder in setting.decoders:
+        for decoder in measured_decoders(config, setting):
             results = {}
             for name in prompt_sets:
                 path = directory / "eval" / decoder / f"{name}.json"
@@ -159,7 +199,7 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
             evals[decoder] = {name: {k: v for k, v in r.items() if k != "prompts"} for name, r in results.items()}
             cost[decoder] = draft_cost(list(results.values()))
             prompts[decoder] = {
-                name: [(p["id"], p["rounds"], sum(p["accepted_per_round"])) for p in r["prompts"]]
+                name: [(p["id"], len(p["accepted_per_round"]), sum(p["accepted_per_round"])) for p in r["prompts"]]
                 for name, r in results.items()
             }
         rows.append(
@@ -181,8 +221,11 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
 
 def draft_cost(results: list[dict[str, Any]]) -> float | None:
     """Seconds per drafted token over seconds per token of plain decoding: what one draft step costs in
-    target forwards, as the decoders ran them (prefill included on the plain side, a small share)."""
+    target forwards, as the decoders ran them (prefill included on the plain side, a small share); None for
+    replayed results, which have no times."""
     prompts = [p for r in results for p in r["prompts"]]
+    if any("spec_draft_s" not in p for p in prompts):
+        return None
     drafted = sum(sum(p["drafted_per_round"]) for p in prompts)
     greedy_tokens = sum(p["greedy_new_tokens"] for p in prompts)
     greedy_s = sum(p["greedy_s"] for p in prompts)
@@ -206,12 +249,15 @@ def run_study(
 
     out.mkdir(parents=True, exist_ok=True)
     open_study(config, out)
-    prompt_sets = load_prompt_sets(config.sets, config.limit)  # a bad set fails now, not after hours of training
     base = config.base_train_config()
     if device is not None:
         base = dataclasses.replace(base, device=device)
+    # a bad set or references file fails now, not after hours of training
+    prompt_sets = {} if config.references else load_prompt_sets(config.sets, config.limit)
     use_cpu_threads(resolve_device(base.device), threads)
     target = load_target(base)
+    references = open_references(config, target) if config.references else None
+    set_names = references.set_names() if references else list(prompt_sets)
     vocab_path, dump_dir, dump_tokens = prepare_shared(config, out, target)
     print(
         f"budget: {config.budget_tokens:,} tokens per setting = {config.budget_tokens / dump_tokens:.2f} epochs of "
@@ -224,11 +270,14 @@ def run_study(
             f"{setting.mode} drafting"
         )
         draft_dir = train_setting(setting_train_config(config, setting, out, vocab_path, dump_dir, dump_tokens), target)
-        evaluate_setting(config, setting, draft_dir, target, prompt_sets, out)
-        write_study_report(config, out, collect(config, out, list(prompt_sets)))
+        if references:
+            replay_setting(config, setting, draft_dir, target, references, out)
+        else:
+            evaluate_setting(config, setting, draft_dir, target, prompt_sets, out)
+        write_study_report(config, out, collect(config, out, set_names))
     if trackers:
         log = Trackers(trackers, out, to_dict(config), "study")
-        log.table("study", *study_table(collect(config, out, list(prompt_sets))))
+        log.table("study", *study_table(collect(config, out, set_names)))
         log.close()
     return out / "report.md"
 

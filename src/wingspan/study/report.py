@@ -51,7 +51,10 @@ def pooled_tau(row: SettingResult, decoder: str) -> float | None:
 
 
 def pooled_speedup(sets: dict[str, dict[str, Any]]) -> float | None:
-    if not sets or any(r["spec_tokens_per_s"] is None or r["greedy_tokens_per_s"] is None for r in sets.values()):
+    """Speculative over plain tokens/s pooled over `sets`; None when a set has no times (replayed)."""
+    if not sets or any(
+        r.get(rate) is None for r in sets.values() for rate in ("spec_tokens_per_s", "greedy_tokens_per_s")
+    ):
         return None
     spec_s = sum(r["new_tokens"] / r["spec_tokens_per_s"] for r in sets.values())
     greedy_s = sum(r["greedy_new_tokens"] / r["greedy_tokens_per_s"] for r in sets.values())
@@ -170,9 +173,15 @@ def markdown(config: StudyConfig, rows: list[SettingResult], set_names: list[str
         f"- target: `{config.target}`; training data: {', '.join(f'`{d}`' for d in config.data)}",
         f"- budget: {config.budget_tokens:,} training tokens per setting; shared training fields: "
         + (", ".join(f"`{k}={v}`" for k, v in config.train.items()) or "defaults"),
-        f"- evaluation: sets {', '.join(config.sets)}, {config.limit or 'all'} prompts each"
-        + (" (first turns)" if config.first_turn_only else "")
-        + f", greedy, up to {config.max_new_tokens} new tokens; chain of {config.num_draft_tokens} drafts and {tree}",
+        (
+            f"- evaluation: replayed on the references `{config.references}` (`wingspan replay score`: exact "
+            f"acceptance, no speed), sets {', '.join(set_names)}; {config.num_draft_tokens} drafts per round"
+            if config.references
+            else f"- evaluation: sets {', '.join(config.sets)}, {config.limit or 'all'} prompts each"
+            + (" (first turns)" if config.first_turn_only else "")
+            + f", greedy, up to {config.max_new_tokens} new tokens; chain of {config.num_draft_tokens} drafts "
+            f"and {tree}"
+        ),
         "- tau = tokens per target forward (accepted drafts + the bonus token); speedup = speculative tokens/s over "
         "plain greedy tokens/s, measured side by side; draft cost = seconds per drafted token over seconds per "
         "plain-decoded token",
@@ -386,6 +395,8 @@ def plot(
             axis.legend(fontsize=7)
     axes[0].set_ylabel("acceptance length tau")
     save_png(figure, out / "tau_vs_depth.png")
+    if config.references:  # replayed: no speed
+        return
 
     figure = agg_figure(figsize=(6.5, 4.2))
     axis = figure.add_subplot()
