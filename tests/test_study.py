@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from wingspan.errors import ConfigError
 from wingspan.eval.prompts import load_prompt_sets
@@ -254,9 +255,10 @@ def test_a_study_of_chain_and_parallel_drafts(tiny_study, tmp_path):
     assert "parallel - chain 95% paired CI [" in report
 
 
-def test_a_study_replayed_on_references_scores_each_draft_as_replay_does(tiny_study, tmp_path):
+def test_a_study_replayed_on_references_scores_each_draft_as_replay_does(tiny_study, tmp_path, monkeypatch):
     """With references, chain and parallel settings are scored on the references' replies (no tree, no speed):
-    each figure is `replay`'s for that draft; references of another dtype are refused before any training."""
+    each figure is `replay`'s for that draft in the references' dtype (here float32, while the study's target
+    runs in bf16); references of another target are refused before any training."""
     config, _ = tiny_study
     target = load_target(config.base_train_config())
     sets = load_prompt_sets(config.sets, config.limit)
@@ -264,7 +266,16 @@ def test_a_study_replayed_on_references_scores_each_draft_as_replay_does(tiny_st
     path = tmp_path / "refs.safetensors"
     references.save(path)
     grid = {"layers": [1], "injection": ["first"], "modes": ["chain", "parallel"], "references": str(path)}
+    grid |= {"train": {**config.train, "target_dtype": "bfloat16"}}
+    scored, real_replay = [], study_layers.replay
+    monkeypatch.setattr(
+        study_layers,
+        "replay",
+        lambda draft, *args: scored.append(draft.embed_tokens.weight) or real_replay(draft, *args),
+    )
     run_study(StudyConfig(**{**config.__dict__, **grid}), tmp_path / "study")
+    assert [weight.dtype for weight in scored] == [torch.float32] * 2
+    assert all(torch.equal(weight, target.embed_weight()) for weight in scored)
 
     out = tmp_path / "study"
     by_name = {s["name"]: s for s in json.loads((out / "results.json").read_text())["settings"]}
@@ -281,9 +292,9 @@ def test_a_study_replayed_on_references_scores_each_draft_as_replay_does(tiny_st
     assert "parallel - chain 95% paired CI [" in report
     assert (out / "tau_vs_depth.png").exists() and not (out / "speedup_vs_depth.png").exists()
 
-    dataclasses.replace(references, dtype="bfloat16").save(tmp_path / "bf16.safetensors")
-    other = StudyConfig(**{**config.__dict__, **grid, "references": str(tmp_path / "bf16.safetensors")})
-    with pytest.raises(ConfigError, match=r"references of target .* in bfloat16; the study trains for .* in float32"):
+    dataclasses.replace(references, target="another").save(tmp_path / "another.safetensors")
+    other = StudyConfig(**{**config.__dict__, **grid, "references": str(tmp_path / "another.safetensors")})
+    with pytest.raises(ConfigError, match=r"references of target 'another'; the study trains for"):
         run_study(other, tmp_path / "refused")
     assert not (tmp_path / "refused/settings").exists()
 

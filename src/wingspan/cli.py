@@ -798,7 +798,7 @@ def study_layers(
     references: Annotated[
         Path | None,
         typer.Option(
-            help="A `wingspan replay references` file of the same target and dtype: score every setting on its "
+            help="A `wingspan replay references` file of the same target: score every setting on its "
             "replies (chain and parallel, exact, about 30 s a draft; no tree, no speed) in place of decoding "
             "--sets."
         ),

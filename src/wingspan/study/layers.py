@@ -160,15 +160,13 @@ def measured_decoders(config: StudyConfig, setting: Setting) -> list[str]:
 
 
 def open_references(config: StudyConfig, target) -> References:
-    """The study's references, checked against its target before any training: the same target and dtype (the
-    drafts are scored in the target's dtype, as the references were made) and the aux layers the drafts read."""
+    """The study's references, checked against its target before any training: the same target, and the aux
+    layers the drafts read."""
     references = References.load(config.references)
-    dtype = config.base_train_config().target_dtype
-    if (references.target, references.dtype) != (config.target, dtype):
+    if references.target != config.target:
         raise ConfigError(
-            f"{config.references}: references of target {references.target!r} in {references.dtype}; the study "
-            f"trains for {config.target!r} in {dtype} (make them with `wingspan replay references` for that target "
-            "and dtype)"
+            f"{config.references}: references of target {references.target!r}; the study trains for "
+            f"{config.target!r} (make them with `wingspan replay references --target {config.target}`)"
         )
     layer_columns(list(target.aux_layer_ids), references, "the study's drafts")
     return references
@@ -258,6 +256,10 @@ def run_study(
     target = load_target(base)
     references = open_references(config, target) if config.references else None
     set_names = references.set_names() if references else list(prompt_sets)
+    # drafts are scored with the target's embeddings in the references' dtype, as `wingspan replay score` does
+    scorer = target
+    if references and references.dtype != base.target_dtype:
+        scorer = load_target(dataclasses.replace(base, target_dtype=references.dtype))
     vocab_path, dump_dir, dump_tokens = prepare_shared(config, out, target)
     print(
         f"budget: {config.budget_tokens:,} tokens per setting = {config.budget_tokens / dump_tokens:.2f} epochs of "
@@ -271,7 +273,7 @@ def run_study(
         )
         draft_dir = train_setting(setting_train_config(config, setting, out, vocab_path, dump_dir, dump_tokens), target)
         if references:
-            replay_setting(config, setting, draft_dir, target, references, out)
+            replay_setting(config, setting, draft_dir, scorer, references, out)
         else:
             evaluate_setting(config, setting, draft_dir, target, prompt_sets, out)
         write_study_report(config, out, collect(config, out, set_names))
