@@ -296,7 +296,7 @@ def test_a_study_replayed_on_references_scores_each_draft_as_replay_does(tiny_st
     other = StudyConfig(**{**config.__dict__, **grid, "references": str(tmp_path / "another.safetensors")})
     with pytest.raises(ConfigError, match=r"references of target 'another'; the study trains for"):
         run_study(other, tmp_path / "refused")
-    assert not (tmp_path / "refused/settings").exists()
+    assert not (tmp_path / "refused").exists()  # nothing written: the corrected command starts afresh
 
 
 def test_rerun_retrains_and_reevaluates_nothing_and_extends_the_grid(tiny_study, monkeypatch):

@@ -245,16 +245,16 @@ def run_study(
     from wingspan.devices import resolve_device, use_cpu_threads
     from wingspan.pipeline import load_target
 
-    out.mkdir(parents=True, exist_ok=True)
-    open_study(config, out)
     base = config.base_train_config()
     if device is not None:
         base = dataclasses.replace(base, device=device)
-    # a bad set or references file fails now, not after hours of training
+    # a bad set or references file fails now, not after hours of training, and before study.json is written
     prompt_sets = {} if config.references else load_prompt_sets(config.sets, config.limit)
     use_cpu_threads(resolve_device(base.device), threads)
     target = load_target(base)
     references = open_references(config, target) if config.references else None
+    out.mkdir(parents=True, exist_ok=True)
+    open_study(config, out)
     set_names = references.set_names() if references else list(prompt_sets)
     # drafts are scored with the target's embeddings in the references' dtype, as `wingspan replay score` does
     scorer = target
