@@ -20,29 +20,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-CHILD = (
-    "import sys; import wingspan.models.target as target; "
-    "target.start_vector_math = (lambda: None) if sys.argv[1] == 'without' else target.start_vector_math; "
-    "from wingspan.cli import main; sys.argv = ['wingspan', *sys.argv[2:]]; sys.exit(main())"
+from patched_train import patched_train_command
+
+WITHOUT_FIRST_CALL = (
+    "import sys; import wingspan.models.target as target\n"
+    "target.start_vector_math = (lambda: None) if sys.argv[1] == 'without' else target.start_vector_math"
 )
 
 
 def run(arm: str, config: str, steps: int, overrides: list[str], work: Path) -> tuple[str, str]:
     out = Path(tempfile.mkdtemp(prefix=f"{arm}-", dir=work))
-    command = [
-        sys.executable,
-        "-c",
-        CHILD,
-        arm,
-        "train",
-        "-c",
-        config,
-        f"output_dir={out / 'run'}",
-        f"max_steps={steps}",
-        f"save_every={steps}",
-        "log_every=1",
-        *overrides,
-    ]
+    command = patched_train_command(WITHOUT_FIRST_CALL, arm, config, out, steps, ["log_every=1", *overrides])
     with open(out / "train.log", "w") as log:
         if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode:
             sys.exit(f"{arm}: wingspan train failed; see {out / 'train.log'}")

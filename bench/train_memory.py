@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-CHILD = """
+from patched_train import patched_train_command
+
+RELEASE_POLICY = """
 import sys
 import wingspan.train.trainer as trainer
 
@@ -60,10 +62,6 @@ else:
 import atexit
 
 atexit.register(lambda: print(f"releases: {released[0]}", flush=True))
-from wingspan.cli import main
-
-sys.argv = ["wingspan", *sys.argv[2:]]
-sys.exit(main())
 """
 
 
@@ -82,19 +80,7 @@ def status_kib(pid: int, fields: tuple[str, ...]) -> dict[str, int]:
 
 def run(config: str, steps: int, policy: str, overrides: list[str], work: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"policy-{policy}-", dir=work))
-    command = [
-        sys.executable,
-        "-c",
-        CHILD,
-        policy,
-        "train",
-        "-c",
-        config,
-        f"output_dir={out / 'run'}",
-        f"max_steps={steps}",
-        f"save_every={steps}",
-        *overrides,
-    ]
+    command = patched_train_command(RELEASE_POLICY, policy, config, out, steps, overrides)
     samples: list[tuple[float, int]] = []  # (seconds, RssAnon KiB)
     peak = 0
     started = time.perf_counter()
