@@ -105,6 +105,11 @@ def setting_dir(out: Path, setting: Setting) -> Path:
     return out / "settings" / setting.name
 
 
+def result_path(out: Path, setting: Setting, decoder: str, prompt_set: str) -> Path:
+    """Where one decoder's result on one prompt set is kept (a SetResult, or a ReplayedSet when replayed)."""
+    return setting_dir(out, setting) / "eval" / decoder / f"{prompt_set}.json"
+
+
 def train_setting(config: TrainConfig, target) -> Path:
     """Train (or resume, or skip when finished) one setting; returns its final draft directory."""
     from wingspan.pipeline import run_training
@@ -124,7 +129,7 @@ def evaluate_setting(
     for decoder in measured_decoders(config, setting):
         settings = config.eval_settings(decoder)
         for name, prompts in prompt_sets.items():
-            path = setting_dir(out, setting) / "eval" / decoder / f"{name}.json"
+            path = result_path(out, setting, decoder, name)
             if path.exists():
                 continue
             if draft is None:
@@ -143,7 +148,7 @@ def replay_setting(
     """The setting's draft scored on the references' replies (`wingspan replay score`), one result per set, in
     place of `evaluate_setting`; a decoder whose results are all on disk is not scored again."""
     for decoder in measured_decoders(config, setting):
-        paths = {name: setting_dir(out, setting) / "eval" / decoder / f"{name}.json" for name in references.set_names()}
+        paths = {name: result_path(out, setting, decoder, name) for name in references.set_names()}
         if all(path.exists() for path in paths.values()):
             continue
         print(f"[{setting.name}] {decoder}, replayed on {config.references}")
@@ -191,7 +196,7 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
         for decoder in measured_decoders(config, setting):
             results = {}
             for name in prompt_sets:
-                path = directory / "eval" / decoder / f"{name}.json"
+                path = result_path(out, setting, decoder, name)
                 if path.exists():
                     results[name] = json.loads(path.read_text())["result"]
             evals[decoder] = {name: {k: v for k, v in r.items() if k != "prompts"} for name, r in results.items()}
