@@ -13,9 +13,11 @@ and after it. The run without a draft is repeated last, so that drift of the mac
 
 A proposer is `none`, `ngram:K` (n-grams of --prompt-lookup MIN,MAX tokens) or `eagle3:DIR:K` (a parallel
 draft, whose config.json has `mask_token_id`, runs with `"parallel_drafting": true`). Printed per
-set and pooled: output tokens/s, the speedup over the first run without a draft, vLLM's acceptance length
+set and pooled: output tokens/s, the speedup over all runs without a draft taken together (their spread is
+printed: this CPU's speed drifts by several percent within a run), vLLM's acceptance length
 (1 + accepted / drafts: for ngram, over the steps that proposed) and acceptance per position, and how many
-greedy outputs differ from the run without a draft.
+greedy outputs differ from the first run without a draft. Ask for `none` more than once, between the
+others, where the drift matters.
 """
 
 from __future__ import annotations
@@ -133,7 +135,16 @@ def run_one(index: int, argv: list[str]) -> dict:
         return json.loads(out.read_text())
 
 
-def summary(run: dict, baseline: dict, sets: list[str]) -> dict:
+def pooled_runs(runs: list[dict], sets: list[str]) -> dict:
+    """The runs as one: tokens and seconds summed per set (what a speedup over several baselines divides by)."""
+    return {
+        "sets": {
+            s: {key: sum(run["sets"][s][key] for run in runs) for key in ("output_tokens", "seconds")} for s in sets
+        }
+    }
+
+
+def summary(run: dict, baseline: dict, first_baseline: dict, sets: list[str]) -> dict:
     rows = {}
     for name in [*sets, "pooled"]:
         parts = sets if name == "pooled" else [name]
@@ -145,7 +156,7 @@ def summary(run: dict, baseline: dict, sets: list[str]) -> dict:
         accepted = sum(run["sets"][s]["accepted"] for s in parts)
         positions = [sum(col) for col in zip(*(run["sets"][s]["accepted_per_position"] for s in parts))]
         differ = sum(
-            a != b for s in parts for a, b in zip(run["sets"][s]["token_ids"], baseline["sets"][s]["token_ids"])
+            a != b for s in parts for a, b in zip(run["sets"][s]["token_ids"], first_baseline["sets"][s]["token_ids"])
         )
         rows[name] = {
             "tokens_per_s": tokens / seconds,
@@ -197,15 +208,19 @@ def main() -> None:
         runs.append(run_one(i, argv))
         if args.out:  # after each engine: a run stopped later keeps what it measured
             Path(args.out).write_text(json.dumps({"settings": vars(args), "runs": runs}, indent=1))
-    baseline = runs[nones[0]]
     sets = [name for name, _ in args.set]
+    plain = [run for run in runs if run["proposer"]["name"] == "none"]
+    baseline = pooled_runs(plain, sets)
     table = [
-        (run["proposer"]["name"] + (" (again)" if i == len(order) else ""), summary(run, baseline, sets))
+        (run["proposer"]["name"] + (" (again)" if i == len(order) else ""), summary(run, baseline, plain[0], sets))
         for i, run in enumerate(runs)
     ]
+    plain_speeds = [summary(run, baseline, plain[0], sets)["pooled"]["tokens_per_s"] for run in plain]
     print(
         f"\nvLLM, batch 1, greedy, {args.dtype}, up to {args.max_tokens} new tokens, "
-        f"{args.limit or 'all'} first turns a set; ngram sizes {args.prompt_lookup[0]}..{args.prompt_lookup[1]}"
+        f"{args.limit or 'all'} first turns a set; ngram sizes {args.prompt_lookup[0]}..{args.prompt_lookup[1]}; "
+        f"speedups over the {len(plain)} runs without a draft together "
+        f"({min(plain_speeds):.1f}-{max(plain_speeds):.1f} tokens/s pooled)"
     )
     print("| proposer | " + " | ".join(sets) + " | pooled | tau (pooled) | acceptance per position | differ |")
     print("|---|" + "---:|" * (len(sets) + 2) + "---|---:|")
