@@ -215,7 +215,9 @@ def main() -> None:
         (run["proposer"]["name"] + (" (again)" if i == len(order) else ""), summary(run, baseline, plain[0], sets))
         for i, run in enumerate(runs)
     ]
-    plain_speeds = [summary(run, baseline, plain[0], sets)["pooled"]["tokens_per_s"] for run in plain]
+    plain_speeds = [
+        rows["pooled"]["tokens_per_s"] for run, (_, rows) in zip(runs, table) if run["proposer"]["name"] == "none"
+    ]
     print(
         f"\nvLLM, batch 1, greedy, {args.dtype}, up to {args.max_tokens} new tokens, "
         f"{args.limit or 'all'} first turns a set; ngram sizes {args.prompt_lookup[0]}..{args.prompt_lookup[1]}; "
