@@ -27,7 +27,7 @@ def target(default_target_dir):
 
 @pytest.fixture(scope="module")
 def trained_draft_dir(quickstart_dir) -> Path:
-    """The 2-layer draft that `wingspan quickstart` trains and exports."""
+    """The draft that `wingspan quickstart` trains and exports."""
     return quickstart_dir / "vllm-draft"
 
 

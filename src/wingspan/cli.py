@@ -876,7 +876,7 @@ def quickstart(
     ] = None,
 ) -> None:
     """The main job on the embedded default: synthesize data, dump the target's features, build the vocab, train
-    a 2-layer draft from the dump, export it and measure it. Larger --conversations (and --prompts) make the longer
+    a 1-layer draft from the dump, export it and measure it. Larger --conversations (and --prompts) make the longer
     recipes of docs/quickstart.md."""
     from wingspan.quickstart import run_quickstart
 

@@ -1,4 +1,4 @@
-"""The main job: from nothing but the embedded target (or prompt files) to a trained, exported 2-layer draft,
+"""The main job: from nothing but the embedded target (or prompt files) to a trained, exported 1-layer draft,
 measured against plain decoding on the first MT-bench prompts.
 
 Each stage skips work it finds done (synthesis resumes, training resumes from its last checkpoint), so
@@ -30,7 +30,9 @@ QUICKSTART_RECIPE = dict(
     # The embeddings (aux id 0) in place of layer 2's features: the planted copy head's key then names each
     # position's token exactly (docs/results/recipe.md, "The embeddings as an aux layer").
     aux_layer_ids=[0, 15, 27],
-    num_hidden_layers=2,
+    # One decoder layer: it replays as well as two at this budget and at the 2-hour recipe's, and vLLM serves it
+    # faster (docs/results/layer-study.md, docs/results/proposers.md).
+    num_hidden_layers=1,
     draft_vocab_size=8192,
     init_copy_head=True,
     max_length=1024,
