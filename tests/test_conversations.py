@@ -263,6 +263,16 @@ def test_write_then_read_round_trip(tmp_path):
     assert [(c.id, c.messages) for c in back] == [(c.id, c.messages) for c in conversations]
 
 
+def test_line_separators_inside_a_jsonl_record_are_text(tmp_path):
+    # wingspan writes JSON with U+2028, U+2029 and U+0085 unescaped (GSM8K's training set has a U+2028).
+    content = "Clive opens a box.\u2028It holds 6 blue balls.\u2029And 4 red.\x85How many?"
+    path = tmp_path / "conv.jsonl"
+    write_conversations_jsonl([Conversation([Message("user", content), Message("assistant", "16")], "x", "")], path)
+    assert path.read_text(encoding="utf-8").count("\n") == 1 and "\u2028" in path.read_text(encoding="utf-8")
+    back, report = read_conversations(path, strict=True)
+    assert [m.content for m in back[0].messages] == [content, "16"] and not report.skipped
+
+
 def test_append_after_a_line_cut_short_starts_a_new_line(tmp_path):
     path = tmp_path / "conv.jsonl"
     first = Conversation([Message("user", "q1"), Message("assistant", "a1")], "1", "")

@@ -164,6 +164,9 @@ def test_text_lines(tmp_path):
         ("asks-4", ["Last line without newline"]),
     ]
     assert load_prompt_set(str(path), limit=2)[1] == prompts[:2]
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes("One\u2028prompt, one line.\r\nSecond.\r\n".encode())
+    assert [p.turns for p in load_prompt_set(str(crlf))[1]] == [["One\u2028prompt, one line."], ["Second."]]
     odd = tmp_path / "lr=1e-3.txt"  # a file name with "=" is still a file
     odd.write_text("hello\n")
     assert load_prompt_set(str(odd))[0] == "lr=1e-3"

@@ -228,7 +228,9 @@ def _records(spec: str) -> Iterator[tuple[str, Any]]:
         raise DataError(f"{path}: cannot read ({error})") from None
 
     if name.endswith(".jsonl"):
-        for line_number, line in enumerate(text.splitlines(), start=1):
+        # JSON Lines ends records at "\n" only: str.splitlines() would also cut a record at the U+2028, U+2029
+        # or U+0085 that JSON keeps unescaped inside strings (scraped text has them).
+        for line_number, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:

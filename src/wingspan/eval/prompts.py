@@ -173,9 +173,8 @@ def read_lines(path: Path) -> list[EvalPrompt]:
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         raise DataError(f"{path}:{line}: not UTF-8 text ({error.reason})") from None
-    prompts = [
-        EvalPrompt(f"{path.stem}-{number}", [line]) for number, line in enumerate(text.splitlines(), 1) if line.strip()
-    ]
+    lines = [line.removesuffix("\r") for line in text.split("\n")]  # not splitlines(): a U+2028 is no line end
+    prompts = [EvalPrompt(f"{path.stem}-{number}", [line]) for number, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise DataError(f"{path}: no prompts (one prompt a line)")
     return prompts

@@ -37,7 +37,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 def read_prompts(path: Path, limit: int | None) -> list[str]:
     """First user turns from EAGLE question JSONL, or one prompt per line of plain text."""
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    # Not splitlines(): a U+2028 inside a record is no line end.
+    for number, line in enumerate(path.read_text().split("\n"), start=1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
