@@ -279,3 +279,12 @@ def test_a_bad_device_is_refused_before_anything_loads(command):
     result = wingspan(*command, "--device", "tpu")
     assert result.returncode == 2
     assert "device 'tpu'" in result.stderr
+
+
+def test_a_quickstart_with_no_conversations_needs_text(tmp_path):
+    """`--conversations 0` trains on --text alone; with no --text there is nothing to train on: refused before
+    anything is written or loaded."""
+    result = wingspan("quickstart", "--conversations", "0", "--out", str(tmp_path / "q"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --conversations 0: needs --text (nothing else to train on)"
+    assert not (tmp_path / "q").exists()

@@ -845,7 +845,8 @@ def quickstart(
     out: Annotated[Path, typer.Option(help="Where everything goes.")] = Path("runs/quickstart"),
     device: DeviceOption = "auto",
     conversations: Annotated[
-        int, typer.Option(min=1, help="How many conversations the target writes to train on.")
+        int,
+        typer.Option(min=0, help="How many conversations the target writes to train on (0: none, with --text only)."),
     ] = 360,
     prompts: Annotated[
         list[str] | None,

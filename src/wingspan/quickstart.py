@@ -81,6 +81,8 @@ def run_quickstart(
     config = TrainConfig(output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE | {"epochs": epochs})
     sample, invented = plan_conversations(prompts, prompt_share, conversations, config.seed)
     written = text_sample(text, text_conversations, config.seed)
+    if not (sample or invented or written):
+        raise ConfigError("--conversations 0: needs --text (nothing else to train on)")
     replies_path, synth_path, text_path = out / "replies.jsonl", out / "synth.jsonl", out / "text.jsonl"
     data = (
         ([str(replies_path)] if sample else [])
