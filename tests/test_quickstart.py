@@ -11,6 +11,7 @@ from wingspan.errors import DataError
 from wingspan.export import ExportSettings, export_draft
 from wingspan.quickstart import (
     fastest,
+    held_out_keys,
     keep_text,
     measure_draft,
     measurement_lines,
@@ -190,3 +191,35 @@ def test_the_drawn_text_is_kept_and_a_different_draw_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"text.jsonl: holds another draw of --text"):
         run_quickstart(kept.parent, device="cpu", text=(str(source),), text_conversations=5)
     assert kept.read_bytes() == before and not (kept.parent / "train_config.json").exists()
+
+
+def test_excluded_sets_are_never_drawn(tmp_path, capsys):
+    """`--exclude`: the prompts and the text whose first user turn is a user turn of an excluded set or file are
+    left out of the draw; the rest are drawn in the order they have without it."""
+    from wingspan.errors import ConfigError
+
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps({"question": f"sum {i}", "answer": f"it is {i}"}) + "\n" for i in range(8)))
+    held = tmp_path / "held.txt"  # one prompt a line; whitespace does not count, as in `wingspan eval --exclude`
+    held.write_text("sum 2\n  sum  5\nnot in the file\n")
+    files = (str(answers),)
+    keys = held_out_keys((str(held),), files)
+    assert len(keys) == 3
+
+    everything = text_sample(files, None, seed=0)
+    kept = text_sample(files, None, seed=0, held_out=keys)
+    assert "--text: 2 of 8 conversations left out (in --exclude)" in capsys.readouterr().out
+    assert [c.id for c in kept] == [c.id for c in everything if c.messages[0].content not in ("sum 2", "sum 5")]
+    assert len(kept) == 6
+    assert [c.id for c in text_sample(files, 4, seed=0, held_out=keys)] == [c.id for c in kept[:4]]
+
+    prompts = prompt_sample(files, 8, seed=0, held_out=keys)  # as prompts: 6 left, fewer than asked
+    assert len(prompts) == 6 and {c.messages[0].content for c in prompts}.isdisjoint({"sum 2", "sum 5"})
+    sample, invented = plan_conversations(files, None, 8, seed=0, held_out=keys)
+    assert len(sample) == 6 and invented == 2
+
+    assert held_out_keys((), ()) == frozenset()
+    with pytest.raises(ConfigError, match="--exclude: needs --prompts or --text"):
+        held_out_keys((str(held),), ())
+    with pytest.raises(DataError, match="missing.txt.: neither a named set"):
+        held_out_keys((str(tmp_path / "missing.txt"),), files)

@@ -875,6 +875,14 @@ def quickstart(
         int | None,
         typer.Option(min=1, help="With --text: how many of its conversations to draw at random (default all)."),
     ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A prompt set or file to hold out of training (a named set such as mt_bench, or a file, as "
+            "`wingspan eval --sets` takes them; repeatable): no conversation whose first user turn is one of its "
+            "user turns is drawn from --prompts or --text."
+        ),
+    ] = None,
 ) -> None:
     """The main job on the embedded default: synthesize data, dump the target's features, build the vocab, train
     a 1-layer draft from the dump, export it and measure it. Larger --conversations (and --prompts) make the longer
@@ -890,6 +898,7 @@ def quickstart(
         epochs=epochs,
         text=tuple(text or ()),
         text_conversations=text_conversations,
+        exclude=tuple(exclude or ()),
     )
 
 

@@ -63,13 +63,15 @@ def run_quickstart(
     epochs: float = QUICKSTART_RECIPE["epochs"],
     text: tuple[str, ...] = (),
     text_conversations: int | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> Path:
     """The main job (the module's docstring). `conversations`: how many the target writes; with `prompts`
     (prompt or conversation files) it answers their first user turns in `prompt_share` of them and invents the
     rest (`plan_conversations`). `text`: conversation files written by others, of which `text_conversations`
     (default all) are drawn and trained on as they are, at the target's labels, with no generation
-    (`text_sample`). `epochs`: passes over all of them. The defaults are the quickstart's recipe; larger ones
-    make the longer recipes of docs/quickstart.md."""
+    (`text_sample`). `exclude`: prompt sets or files held out of both draws (`held_out_keys`). `epochs`: passes
+    over all of them. The defaults are the quickstart's recipe; larger ones make the longer recipes of
+    docs/quickstart.md."""
     from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.vocab import DraftVocab
     from wingspan.export import export_draft, provenance_of
@@ -79,8 +81,9 @@ def run_quickstart(
 
     started = time.perf_counter()
     config = TrainConfig(output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE | {"epochs": epochs})
-    sample, invented = plan_conversations(prompts, prompt_share, conversations, config.seed)
-    written = text_sample(text, text_conversations, config.seed)
+    held_out = held_out_keys(exclude, prompts + text)
+    sample, invented = plan_conversations(prompts, prompt_share, conversations, config.seed, held_out)
+    written = text_sample(text, text_conversations, config.seed, held_out)
     if not (sample or invented or written):
         raise ConfigError("--conversations 0: needs --text (nothing else to train on)")
     replies_path, synth_path, text_path = out / "replies.jsonl", out / "synth.jsonl", out / "text.jsonl"
@@ -161,8 +164,23 @@ serve it:  vllm serve {resolve_target(config.target)} --speculative-config '{ser
     return export_dir
 
 
+def held_out_keys(exclude: tuple[str, ...], drawn_from: tuple[str, ...]) -> frozenset[str]:
+    """The user turns of the prompt sets or files in `exclude` (specs as for `wingspan eval --sets`, named sets
+    included), compared as `wingspan eval --exclude` compares them: a conversation whose first user turn is among
+    them is never drawn, so these sets stay held out of training."""
+    from wingspan.eval.prompts import user_turn_keys
+
+    if exclude and not drawn_from:
+        raise ConfigError("--exclude: needs --prompts or --text (the files it holds prompts out of)")
+    return frozenset(user_turn_keys(list(exclude)))
+
+
 def plan_conversations(
-    prompts: tuple[str, ...], prompt_share: float | None, conversations: int, seed: int
+    prompts: tuple[str, ...],
+    prompt_share: float | None,
+    conversations: int,
+    seed: int,
+    held_out: frozenset[str] = frozenset(),
 ) -> tuple[list[Conversation], int]:
     """The prompts the target answers and how many conversations it invents, `conversations` in all: with prompt
     files, `prompt_share` (default all) of them answer first user turns drawn from the files (`prompt_sample`),
@@ -174,7 +192,7 @@ def plan_conversations(
     if not 0 <= prompt_share <= 1:
         raise ConfigError(f"--prompt-share: expected a share from 0 to 1, got {prompt_share}")
     answered = round(prompt_share * conversations) if prompts else 0
-    sample = prompt_sample(prompts, answered, seed) if answered else []
+    sample = prompt_sample(prompts, answered, seed, held_out) if answered else []
     if len(sample) < answered:
         print(
             f"--prompts: {len(sample)} prompts in {', '.join(prompts)}, fewer than {answered}: "
@@ -183,17 +201,21 @@ def plan_conversations(
     return sample, conversations - len(sample)
 
 
-def prompt_sample(files: tuple[str, ...], count: int, seed: int) -> list[Conversation]:
+def prompt_sample(
+    files: tuple[str, ...], count: int, seed: int, held_out: frozenset[str] = frozenset()
+) -> list[Conversation]:
     """`count` conversations drawn at random (seeded) from all of `files` together, each cut to its first user
     turn (and any system message before it): the prompts the target answers. Fewer when the files hold fewer."""
     pool = []
-    for conversation in _drawn(files, "--prompts", seed, require_assistant=False)[:count]:
+    for conversation in _drawn(files, "--prompts", seed, held_out, require_assistant=False)[:count]:
         first_user = next(i for i, m in enumerate(conversation.messages) if m.role == "user")
         pool.append(dataclasses.replace(conversation, messages=conversation.messages[: first_user + 1]))
     return pool
 
 
-def text_sample(files: tuple[str, ...], count: int | None, seed: int) -> list[Conversation]:
+def text_sample(
+    files: tuple[str, ...], count: int | None, seed: int, held_out: frozenset[str] = frozenset()
+) -> list[Conversation]:
     """`count` (default all) conversations with assistant turns drawn at random (seeded) from all of `files`
     together, kept whole: text written by others, which the draft learns at the target's labels."""
     if not files:
@@ -202,7 +224,7 @@ def text_sample(files: tuple[str, ...], count: int | None, seed: int) -> list[Co
         return []
     if count is not None and count < 1:
         raise ConfigError(f"--text-conversations: expected at least 1, got {count}")
-    return _drawn(files, "--text", seed, require_assistant=True)[:count]
+    return _drawn(files, "--text", seed, held_out, require_assistant=True)[:count]
 
 
 def keep_text(written: list[Conversation], path: Path) -> None:
@@ -221,10 +243,14 @@ def keep_text(written: list[Conversation], path: Path) -> None:
     write_conversations_jsonl(written, path)
 
 
-def _drawn(files: tuple[str, ...], option: str, seed: int, require_assistant: bool) -> list[Conversation]:
-    """All conversations of `files` in a seeded random order; with several files, ids name their file too
-    (regeneration resumes by id, and two files may share one)."""
+def _drawn(
+    files: tuple[str, ...], option: str, seed: int, held_out: frozenset[str], require_assistant: bool
+) -> list[Conversation]:
+    """All conversations of `files` in a seeded random order, less those whose first user turn is `held_out`
+    (the rest keep the order they have without it); with several files, ids name their file too (regeneration
+    resumes by id, and two files may share one)."""
     from wingspan.data.conversations import read_conversations
+    from wingspan.eval.prompts import turn_key
 
     pool = []
     for path in files:
@@ -239,6 +265,10 @@ def _drawn(files: tuple[str, ...], option: str, seed: int, require_assistant: bo
     if repeated:
         raise DataError(f"{option}: ids {repeated[:3]} occur more than once in {', '.join(files)}")
     random.Random(f"{option.strip('-')}/{seed}").shuffle(pool)
+    if held_out:
+        kept = [c for c in pool if turn_key(next(m.content for m in c.messages if m.role == "user")) not in held_out]
+        print(f"{option}: {len(pool) - len(kept)} of {len(pool)} conversations left out (in --exclude)")
+        pool = kept
     return pool
 
 
