@@ -5,6 +5,7 @@ and line."""
 import gzip
 import importlib.resources
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -265,9 +266,12 @@ def test_bad_input_names_file_and_line(tmp_path):
     with pytest.raises(DataError, match="no prompts"):
         load_prompt_set(str(text))
 
-    named = r"neither a named set \(mt_bench, gsm8k, humaneval\) or a larger one \(gsm8k_test, humaneval_full\)"
+    named = r"neither a named set \(mt_bench, gsm8k, humaneval\), a larger one \(gsm8k_test, humaneval_full\)"
     with pytest.raises(DataError, match=named):
         load_prompt_set("mt-bench")
+    for missing in (str(tmp_path / "missing"), "missing.jsonl"):  # a path or a file name: not a set's name
+        with pytest.raises(DataError, match=rf"^{re.escape(missing)}: file not found$"):
+            load_prompt_set(missing)
     with pytest.raises(DataError, match="file not found"):
         load_prompt_set(f"x={tmp_path / 'missing.jsonl'}")
     (tmp_path / "table.csv").write_text("a,b\n")

@@ -221,5 +221,5 @@ def test_excluded_sets_are_never_drawn(tmp_path, capsys):
     assert held_out_keys((), ()) == frozenset()
     with pytest.raises(ConfigError, match="--exclude: needs --prompts or --text"):
         held_out_keys((str(held),), ())
-    with pytest.raises(DataError, match="missing.txt.: neither a named set"):
+    with pytest.raises(DataError, match="missing.txt: file not found"):
         held_out_keys((str(tmp_path / "missing.txt"),), files)

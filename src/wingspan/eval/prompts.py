@@ -138,8 +138,10 @@ def split_spec(spec: str) -> tuple[str, str | None]:
     name, sep, path = spec.partition("=")
     if sep and name and path:
         return name, path
+    if "/" in spec or spec.endswith(FILE_SUFFIXES):
+        raise DataError(f"{spec}: file not found")
     raise DataError(
-        f"prompt set {spec!r}: neither a named set ({', '.join(BUNDLED_SETS)}) or a larger one "
+        f"prompt set {spec!r}: neither a named set ({', '.join(BUNDLED_SETS)}), a larger one "
         f"({', '.join(LARGER_SETS)}), NAME=PATH, nor a file"
     )
 
