@@ -4,7 +4,9 @@ EAGLE-3 drafts, each at the numbers of speculative tokens asked, on the same pro
 Runs in the vLLM venv (`make vllm-venv`; vllm + stdlib only, as src/wingspan/eval/vllm_referee.py, whose
 engine settings and prompt reader it shares). Every proposer gets its own process and engine; within it each
 prompt set is generated on its own (greedy, batch 1), timed, and vLLM's spec-decode counters are read before
-and after it. The run without a draft is repeated last, so that drift of the machine's speed shows.
+and after it; one short request before them is not timed (with torch.compile, vLLM's default and what
+`vllm serve` runs, the first forwards compile the target and the draft; --eager turns it off). The run
+without a draft is repeated last, so that drift of the machine's speed shows.
 
     .venv-vllm/bin/python bench/vllm_proposers.py --target ~/.cache/wingspan/models/smollm2-135m-instruct \
         --set mt_bench=src/wingspan/eval/data/mt_bench.jsonl --set gsm8k=src/wingspan/eval/data/gsm8k_80.jsonl \
@@ -92,13 +94,13 @@ def worker(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=1,
-        enforce_eager=True,
+        enforce_eager=args.eager,
         disable_log_stats=False,
         seed=0,
     )
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    results = {}
+    prompt_sets = {}
     for name, path in args.set:
         prompts = []
         for text in referee.read_prompts(Path(path), args.limit):
@@ -106,6 +108,11 @@ def worker(args: argparse.Namespace) -> None:
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
             )
             prompts.append(TokensPrompt(prompt_token_ids=tokenizer(rendered, add_special_tokens=False).input_ids))
+        prompt_sets[name] = prompts
+    # untimed: unless --eager, the first forwards of the target and the draft compile them
+    llm.generate(prompt_sets[args.set[0][0]][:1], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    results = {}
+    for name, prompts in prompt_sets.items():
         before = counters(llm)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -189,6 +196,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="eager mode (enforce_eager) in place of vLLM's default torch.compile, which `vllm serve` uses",
+    )
     parser.add_argument("--out", help="all figures and outputs as JSON")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -219,7 +231,8 @@ def main() -> None:
         rows["pooled"]["tokens_per_s"] for run, (_, rows) in zip(runs, table) if run["proposer"]["name"] == "none"
     ]
     print(
-        f"\nvLLM, batch 1, greedy, {args.dtype}, up to {args.max_tokens} new tokens, "
+        f"\nvLLM, batch 1, greedy, {args.dtype}, {'eager' if args.eager else 'compiled'}, "
+        f"up to {args.max_tokens} new tokens, "
         f"{args.limit or 'all'} first turns a set; ngram sizes {args.prompt_lookup[0]}..{args.prompt_lookup[1]}; "
         f"speedups over the {len(plain)} runs without a draft together "
         f"({min(plain_speeds):.1f}-{max(plain_speeds):.1f} tokens/s pooled)"
