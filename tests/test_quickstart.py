@@ -7,7 +7,7 @@ import json
 import pytest
 from test_eval_runner import draft, target  # noqa: F401
 
-from wingspan.errors import DataError
+from wingspan.errors import ConfigError, DataError
 from wingspan.export import ExportSettings, export_draft
 from wingspan.quickstart import (
     fastest,
@@ -95,8 +95,6 @@ def test_the_prompts_are_first_user_turns_drawn_from_all_files(tmp_path):
 
 
 def test_prompts_and_invented_conversations_share_the_count(tmp_path, capsys):
-    from wingspan.errors import ConfigError
-
     questions = tmp_path / "questions.jsonl"
     questions.write_text("".join(json.dumps({"id": str(i), "turns": [f"question {i}"]}) + "\n" for i in range(10)))
     files = (str(questions),)
@@ -116,8 +114,6 @@ def test_prompts_and_invented_conversations_share_the_count(tmp_path, capsys):
 
 
 def test_text_is_drawn_whole_from_all_files_with_replies_only(tmp_path):
-    from wingspan.errors import ConfigError
-
     chats = tmp_path / "chats.jsonl"
     chats.write_text(
         "".join(
@@ -170,7 +166,6 @@ def test_text_is_drawn_whole_from_all_files_with_replies_only(tmp_path):
 
 def test_the_drawn_text_is_kept_and_a_different_draw_refused(tmp_path):
     from wingspan.data.conversations import read_conversations
-    from wingspan.errors import ConfigError
 
     source = tmp_path / "answers.jsonl"
     source.write_text("".join(json.dumps({"question": f"sum {i}", "answer": f"it is {i}"}) + "\n" for i in range(6)))
@@ -196,8 +191,6 @@ def test_the_drawn_text_is_kept_and_a_different_draw_refused(tmp_path):
 def test_excluded_sets_are_never_drawn(tmp_path, capsys):
     """`--exclude`: the prompts and the text whose first user turn is a user turn of an excluded set or file are
     left out of the draw; the rest are drawn in the order they have without it."""
-    from wingspan.errors import ConfigError
-
     answers = tmp_path / "answers.jsonl"
     answers.write_text("".join(json.dumps({"question": f"sum {i}", "answer": f"it is {i}"}) + "\n" for i in range(8)))
     held = tmp_path / "held.txt"  # one prompt a line; whitespace does not count, as in `wingspan eval --exclude`
