@@ -288,3 +288,10 @@ def test_a_quickstart_with_no_conversations_needs_text(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --conversations 0: needs --text (nothing else to train on)"
     assert not (tmp_path / "q").exists()
+
+
+def test_a_quickstart_budget_that_is_not_a_duration_is_refused(tmp_path):
+    result = wingspan("quickstart", "--budget", "two hours", "--out", str(tmp_path / "q"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --budget: expected a duration such as 2h, 90m or 1h30m, got 'two hours'"
+    assert not (tmp_path / "q").exists()

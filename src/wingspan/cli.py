@@ -845,9 +845,13 @@ def quickstart(
     out: Annotated[Path, typer.Option(help="Where everything goes.")] = Path("runs/quickstart"),
     device: DeviceOption = "auto",
     conversations: Annotated[
-        int,
-        typer.Option(min=0, help="How many conversations the target writes to train on (0: none, with --text only)."),
-    ] = 360,
+        int | None,
+        typer.Option(
+            min=0,
+            help="How many conversations the target writes to train on (default 360; 0: none, with --text only).",
+            show_default=False,
+        ),
+    ] = None,
     prompts: Annotated[
         list[str] | None,
         typer.Option(
@@ -883,6 +887,14 @@ def quickstart(
             "user turns is drawn from --prompts or --text."
         ),
     ] = None,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            help="A wall-clock budget for the whole job, such as 2h or 90m: a short probe times each stage on this "
+            "machine, then --conversations and --text-conversations are chosen (in the 2-hour recipe's proportion) "
+            "so that it fits; the plan is kept in OUT/budget.json, and a rerun continues it."
+        ),
+    ] = None,
 ) -> None:
     """The main job on the embedded default: synthesize data, dump the target's features, build the vocab, train
     a 1-layer draft from the dump, export it and measure it. Larger --conversations (and --prompts) make the longer
@@ -899,6 +911,7 @@ def quickstart(
         text=tuple(text or ()),
         text_conversations=text_conversations,
         exclude=tuple(exclude or ()),
+        budget=budget,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,6 +21,7 @@ from wingspan.config import TrainConfig, save_json
 from wingspan.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
+    from wingspan.budget import Plan
     from wingspan.data.conversations import Conversation
     from wingspan.eval.runner import SetResult
     from wingspan.models.target import TargetModel
@@ -57,31 +59,50 @@ CHECK = dict(prompt_set="mt_bench", limit=10, max_new_tokens=256, chain_lengths=
 def run_quickstart(
     out: Path,
     device: str = "auto",
-    conversations: int = SYNTH["num_conversations"],
+    conversations: int | None = None,
     prompts: tuple[str, ...] = (),
     prompt_share: float | None = None,
     epochs: float = QUICKSTART_RECIPE["epochs"],
     text: tuple[str, ...] = (),
     text_conversations: int | None = None,
     exclude: tuple[str, ...] = (),
+    budget: str | None = None,
 ) -> Path:
     """The main job (the module's docstring). `conversations`: how many the target writes; with `prompts`
     (prompt or conversation files) it answers their first user turns in `prompt_share` of them and invents the
     rest (`plan_conversations`). `text`: conversation files written by others, of which `text_conversations`
     (default all) are drawn and trained on as they are, at the target's labels, with no generation
     (`text_sample`). `exclude`: prompt sets or files held out of both draws (`held_out_keys`). `epochs`: passes
-    over all of them. The defaults are the quickstart's recipe; larger ones make the longer recipes of
-    docs/quickstart.md."""
+    over all of them. The defaults are the quickstart's recipe (`conversations` None: SYNTH's count); larger ones
+    make the longer recipes of docs/quickstart.md. `budget` (a duration such as 2h) chooses `conversations` and
+    `text_conversations` instead, measured on this machine (wingspan/budget.py); `conversations` 0 still means
+    text only."""
+    from wingspan.budget import saved_plan
     from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.vocab import DraftVocab
     from wingspan.export import export_draft, provenance_of
     from wingspan.models.draft import Eagle3Draft
     from wingspan.models.registry import resolve_target
-    from wingspan.pipeline import load_target, run_dump, run_training
+    from wingspan.pipeline import run_dump, run_training
 
     started = time.perf_counter()
     config = TrainConfig(output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE | {"epochs": epochs})
     held_out = held_out_keys(exclude, prompts + text)
+    target = plan = None
+    if budget is None:
+        conversations = SYNTH["num_conversations"] if conversations is None else conversations
+    else:
+        budget_s, request = budget_request(
+            budget, config, conversations, text_conversations, prompts, prompt_share, text, exclude
+        )
+        plan = saved_plan(out, budget_s, request)  # an earlier run's, or a refusal, before anything loads
+        # The probe needs the target; what it measures decides the draws below.
+        target = load_target_once(config)
+        if plan is None:
+            out.mkdir(parents=True, exist_ok=True)
+            plan = measured_plan(budget_s, request, out, config, target, started, held_out)
+        print(plan.summary())
+        conversations, text_conversations = plan.conversations, plan.text_conversations or None
     sample, invented = plan_conversations(prompts, prompt_share, conversations, config.seed, held_out)
     written = text_sample(text, text_conversations, config.seed, held_out)
     if not (sample or invented or written):
@@ -100,8 +121,7 @@ def run_quickstart(
         keep_text(written, text_path)
     save_json(config, out / "train_config.json")
 
-    print(f"[1/5] target {config.target} ({config.target_dtype})")
-    target = load_target(config)
+    target = target or load_target_once(config)
 
     if sample:
         print(f"[2/5] the target's replies to {len(sample)} prompts from {', '.join(prompts)} -> {replies_path}")
@@ -148,9 +168,10 @@ def run_quickstart(
     last = metrics[-1]
     accuracies = "  ".join(f"acc_{j}={last[f'acc_{j}']:.3f}" for j in range(config.ttt_steps))
     minutes = (time.perf_counter() - started) / 60
+    planned = "" if plan is None else f" (predicted {sum(plan.predicted_s.values()) / 60:.1f} for --budget {budget})"
     serving = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": fastest(measured)})
     print(f"""
-done in {minutes:.1f} min
+done in {minutes:.1f} min{planned}
   conversations : {", ".join(data)}
   target features: {dump_dir} (read by `wingspan train -c {out / "train_config.json"}` too)
   draft vocab   : {vocab_path} ({vocab.draft_vocab_size} tokens, {vocab.coverage:.1%} coverage)
@@ -162,6 +183,81 @@ done in {minutes:.1f} min
 {measurement_lines(measured, export_dir, out / "eval", config.target_dtype, CHECK)}
 serve it:  vllm serve {resolve_target(config.target)} --speculative-config '{serving}'""")
     return export_dir
+
+
+def load_target_once(config: TrainConfig) -> TargetModel:
+    from wingspan.pipeline import load_target
+
+    print(f"[1/5] target {config.target} ({config.target_dtype})")
+    return load_target(config)
+
+
+def budget_request(
+    budget: str,
+    config: TrainConfig,
+    conversations: int | None,
+    text_conversations: int | None,
+    prompts: tuple[str, ...],
+    prompt_share: float | None,
+    text: tuple[str, ...],
+    exclude: tuple[str, ...],
+) -> tuple[float, dict]:
+    """--budget in seconds and the options a plan for it depends on; the sizes it chooses given too are refused."""
+    from wingspan.budget import parse_budget
+
+    if conversations not in (None, 0) or text_conversations is not None:
+        raise ConfigError(
+            "--budget: chooses --conversations and --text-conversations; give those or --budget "
+            "(--conversations 0 alone is kept: text only)"
+        )
+    if conversations == 0 and not text:
+        raise ConfigError("--conversations 0: needs --text (nothing else to train on)")
+    request = dict(
+        epochs=config.epochs,
+        generate=conversations is None,
+        prompts=list(prompts),
+        prompt_share=prompt_share,
+        text=list(text),
+        exclude=list(exclude),
+    )
+    return parse_budget(budget), request
+
+
+def measured_plan(
+    budget_s: float,
+    request: dict,
+    out: Path,
+    config: TrainConfig,
+    target: TargetModel,
+    started: float,
+    held_out: frozenset[str],
+) -> Plan:
+    """How many conversations the target writes and how many of --text are drawn so that the whole job fits
+    `budget_s` on this machine, from the probe's rates (wingspan/budget.py); written to out/budget.json."""
+    from wingspan.budget import measure_rates, plan_sizes, save_plan
+    from wingspan.data.hidden_states import bytes_per_token
+    from wingspan.data.template import tokenize_conversations
+
+    pool = text_sample(tuple(request["text"]), None, config.seed, held_out)
+    lengths = []
+    for conversation in pool:  # one by one: a conversation the template cannot take counts 0 tokens
+        tokenized, _ = tokenize_conversations(
+            target.tokenizer, [conversation], config.max_length, config.learn_reasoning, config.learn_prompts
+        )
+        lengths.append(len(tokenized[0].input_ids) if tokenized else 0)
+    asked, _ = plan_conversations(
+        tuple(request["prompts"]), request["prompt_share"], SYNTH["batch_size"], config.seed, held_out
+    )
+    print(f"[0/5] measuring this machine for the budget: one batch of each stage, in {out / 'probe'} (removed after)")
+    rates = measure_rates(target, config, out / "probe", SYNTH, asked, pool, lengths)
+    closing_tokens = CHECK["limit"] * CHECK["max_new_tokens"] * (1 + len(CHECK["chain_lengths"]))
+    # The dump is the run's only large file: its tokens stop where the disk would fill.
+    free = shutil.disk_usage(out).free
+    room = 0.9 * free / bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
+    so_far = time.perf_counter() - started
+    plan = plan_sizes(budget_s, request, rates, lengths, closing_tokens, so_far, request["generate"], room)
+    save_plan(plan, out)
+    return plan
 
 
 def held_out_keys(exclude: tuple[str, ...], drawn_from: tuple[str, ...]) -> frozenset[str]:

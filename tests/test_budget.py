@@ -1,0 +1,151 @@
+"""`wingspan quickstart --budget`: the duration parser, the sizing against known rates (exact figures), the plan
+kept for a rerun, the options it refuses, and the probe on a tiny target."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+from test_synth import chatty  # noqa: F401
+
+from wingspan.budget import (
+    MARGIN,
+    PLAN_FILE,
+    Rates,
+    measure_rates,
+    parse_budget,
+    plan_sizes,
+    predicted_seconds,
+    save_plan,
+    saved_plan,
+)
+from wingspan.config import TrainConfig
+from wingspan.errors import ConfigError
+from wingspan.quickstart import run_quickstart, text_sample
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+REQUEST = dict(epochs=3.0, generate=True, prompts=[], prompt_share=None, text=["t.jsonl"], exclude=[])
+# A conversation by the target: 1 s to write, 100 tokens; its features 1 s (100 tokens/s), 3 passes of training
+# 1 s (300 tokens/s): 3 s in all. The closing measurement: 300 tokens at 10 a second, 30 s.
+RATES = Rates(
+    seconds_per_conversation=1.0,
+    tokens_per_conversation=100.0,
+    decode_tokens_per_s=10.0,
+    dump_tokens_per_s=100.0,
+    train_tokens_per_s=300.0,
+)
+
+
+@pytest.mark.parametrize(
+    "text, seconds", [("2h", 7200), ("90m", 5400), ("1h30m", 5400), ("1.5h", 5400), ("45s", 45), (" 2h ", 7200)]
+)
+def test_durations(text, seconds):
+    assert parse_budget(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "2 hours", "120", "h", "0m", "2h-5m"])
+def test_a_duration_that_is_not_one_is_refused(text):
+    with pytest.raises(ConfigError, match="--budget: expected a"):
+        parse_budget(text)
+
+
+def plan(budget_s, text_lengths, generate=True, so_far=70.0):
+    return plan_sizes(budget_s, REQUEST, RATES, text_lengths, 300, so_far, generate=generate)
+
+
+def test_the_plan_takes_the_most_conversations_that_fit():
+    # 70 s so far and 30 s of closing measurement; 950 s of the 1,000 (MARGIN) leave 850 s at 3 s a conversation
+    assert MARGIN == 0.95
+    fitted = plan(1000.0, [])
+    assert (fitted.conversations, fitted.text_conversations, fitted.tokens) == (283, 0, 28300)
+    assert sum(fitted.predicted_s.values()) == pytest.approx(949.0)
+    assert fitted.predicted_s["training"] == pytest.approx(283.0) and fitted.predicted_s["so far"] == 70.0
+    assert sum(predicted_seconds(RATES, 284, 0, 3.0, 300, 70.0).values()) > 950
+
+
+def test_text_is_drawn_in_the_recipe_proportion_until_it_runs_out():
+    # 100 tokens of text cost 2 s (features and training): 4,500 of them for every 1,400 conversations
+    fitted = plan(5000.0, [100] * 10_000)
+    assert fitted.text_conversations == round(fitted.conversations * 4500 / 1400)
+    total = sum(fitted.predicted_s.values())
+    # one more conversation by the target and 3 or 4 of text would not fit
+    assert total <= 4750 < total + 3 + 2 * 3 and fitted.conversations == 493
+    # with 50 conversations of text, the rest of the budget goes to the target's own: (4750 - 100 - 100) / 3
+    short = plan(5000.0, [100] * 50)
+    assert (short.conversations, short.text_conversations) == (1516, 50)
+    assert short.tokens == 1516 * 100 + 50 * 100
+
+
+def test_text_only_takes_the_text_that_fits():
+    fitted = plan(1000.0, [100] * 1000, generate=False)  # (950 - 100) / 2 s a conversation of text
+    assert (fitted.conversations, fitted.text_conversations) == (0, 425)
+    everything = plan(1000.0, [100] * 50, generate=False)
+    assert (everything.conversations, everything.text_conversations) == (0, 50)
+
+
+def test_the_dump_stops_where_the_disk_would_fill():
+    fitted = plan_sizes(1000.0, REQUEST, RATES, [], 300, 70.0, max_tokens=10_050)
+    assert (fitted.conversations, fitted.tokens) == (100, 10_000)
+    with pytest.raises(ConfigError, match=r"--budget: no room on disk for the features of even one conversation"):
+        plan_sizes(1000.0, REQUEST, RATES, [], 300, 70.0, max_tokens=50)
+
+
+def test_a_budget_too_small_for_one_conversation_is_refused():
+    with pytest.raises(ConfigError, match=r"--budget 1.67 min: too small on this machine; .* about 1\.72 min"):
+        plan(100.0, [])
+
+
+def test_the_plan_is_kept_and_one_for_other_options_refused(tmp_path):
+    fitted = plan(1000.0, [100] * 5)
+    save_plan(fitted, tmp_path)
+    assert saved_plan(tmp_path, 1000.0, json.loads(json.dumps(REQUEST))) == fitted
+    assert saved_plan(tmp_path / "elsewhere", 1000.0, REQUEST) is None
+    with pytest.raises(ConfigError, match=r"budget.json: the plan for --budget 16.7 min and \{'epochs': 3.0"):
+        saved_plan(tmp_path, 1000.0, REQUEST | {"epochs": 2.0})
+    with pytest.raises(ConfigError, match="its own --out"):
+        saved_plan(tmp_path, 2000.0, REQUEST)
+    (tmp_path / PLAN_FILE).write_text("{}")
+    with pytest.raises(ConfigError, match=r"budget.json: not a budget plan .*remove it to measure again"):
+        saved_plan(tmp_path, 1000.0, REQUEST)
+
+
+def test_the_quickstart_refuses_sizes_beside_a_budget_before_it_loads_anything(tmp_path):
+    out = tmp_path / "q"
+    with pytest.raises(ConfigError, match="--budget: chooses --conversations and --text-conversations"):
+        run_quickstart(out, device="cpu", budget="2h", conversations=100)
+    with pytest.raises(ConfigError, match="--budget: chooses"):
+        run_quickstart(out, device="cpu", budget="2h", text=("t.jsonl",), text_conversations=5)
+    with pytest.raises(ConfigError, match="--conversations 0: needs --text"):
+        run_quickstart(out, device="cpu", budget="2h", conversations=0)
+    with pytest.raises(ConfigError, match="--budget: expected a duration"):
+        run_quickstart(out, device="cpu", budget="two hours")
+    out.mkdir()
+    save_plan(dataclasses.replace(plan(1000.0, []), request=REQUEST | {"text": []}), out)
+    with pytest.raises(ConfigError, match="budget.json: the plan for --budget 16.7 min"):
+        run_quickstart(out, device="cpu", budget="2h")  # the saved plan was for 1,000 s
+    assert sorted(p.name for p in out.iterdir()) == [PLAN_FILE]
+
+
+def test_the_probe_times_every_stage_and_leaves_nothing_behind(chatty, tiny_llama_dir, counting_chat, tmp_path):  # noqa: F811
+    config = TrainConfig(
+        target=str(tiny_llama_dir),
+        output_dir=str(tmp_path / "run"),
+        target_dtype="float32",
+        aux_layer_ids=[1, 2],
+        num_hidden_layers=1,
+        draft_vocab_size=64,
+        max_length=64,
+        batch_tokens=256,
+        ttt_steps=2,
+        lr=1e-3,
+    )
+    text = text_sample((str(counting_chat(12, spread=4)),), None, seed=0)
+    lengths = [30] * len(text)
+    synth = dict(batch_size=4, max_new_tokens=6)
+    rates = measure_rates(chatty, config, tmp_path / "probe", synth, [], text, lengths)
+    assert not (tmp_path / "probe").exists()
+    for name, value in dataclasses.asdict(rates).items():
+        assert math.isfinite(value) and value > 0, name
+    # a synthesized conversation: a user turn of at most 128 tokens, a reply of at most 6, and the template's own
+    assert 6 < rates.tokens_per_conversation <= 128 + 6 + 12
