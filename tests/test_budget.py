@@ -18,8 +18,10 @@ from wingspan.budget import (
     predicted_seconds,
     save_plan,
     saved_plan,
+    synthesized_per_batch,
 )
 from wingspan.config import TrainConfig
+from wingspan.data.conversations import Conversation, Message
 from wingspan.errors import ConfigError
 from wingspan.quickstart import run_quickstart, text_sample
 
@@ -125,6 +127,16 @@ def test_the_quickstart_refuses_sizes_beside_a_budget_before_it_loads_anything(t
     with pytest.raises(ConfigError, match="budget.json: the plan for --budget 16.7 min"):
         run_quickstart(out, device="cpu", budget="2h")  # the saved plan was for 1,000 s
     assert sorted(p.name for p in out.iterdir()) == [PLAN_FILE]
+
+
+def test_a_synthesis_batch_counts_the_conversations_it_keeps_not_those_asked_for(tmp_path):
+    """32 asked, 24 kept from the first batch of 32 and the second cut at 8: two batches made 48 conversations'
+    worth, not 32 (the probe would otherwise charge each conversation 1.5 times its time)."""
+    messages = [Message("user", "hi"), Message("assistant", "hello")]
+    made = [Conversation(messages, id=f"synth-7-0-{i}", source="s") for i in range(24)]
+    made += [Conversation(messages, id=f"synth-7-1-{i}", source="s") for i in range(8)]
+    assert synthesized_per_batch(made, 7, tmp_path / "s.jsonl") == 48
+    assert synthesized_per_batch(made[:20], 7, tmp_path / "s.jsonl") == 20  # one batch: all it kept
 
 
 def test_the_probe_times_every_stage_and_leaves_nothing_behind(chatty, tiny_llama_dir, counting_chat, tmp_path):  # noqa: F811

@@ -172,6 +172,18 @@ def saved_plan(out: Path, budget_s: float, request: dict) -> Plan | None:
     return plan
 
 
+def synthesized_per_batch(conversations: list[Conversation], seed: int, path: Path) -> float:
+    """How many batches' worth of conversations a synthesis run made: its batches are generated whole, but a user
+    turn that is too long or repeated is dropped (about one in five for SmolLM2), and the last batch is cut at
+    the count asked for, so the conversations per batch come from the batches before the last."""
+    from wingspan.data.synth import synth_batch_index
+
+    batches = [synth_batch_index(c.id, seed, path) for c in conversations]
+    last = max(batches)
+    kept_per_batch = sum(b < last for b in batches) / last if last else len(batches)
+    return (last + 1) * kept_per_batch
+
+
 def measure_rates(
     target: TargetModel,
     config: TrainConfig,
@@ -216,6 +228,9 @@ def measure_rates(
             )
         generating = time.perf_counter() - started
         conversations, _ = read_conversations(written, require_assistant=True)
+        per_conversation = generating / max(1, len(conversations))
+        if not prompts:
+            per_conversation = generating / synthesized_per_batch(conversations, config.seed, written)
         tokenized, _ = tokenize_conversations(
             target.tokenizer, conversations, config.max_length, config.learn_reasoning, config.learn_prompts
         )
@@ -258,7 +273,7 @@ def measure_rates(
     finally:
         shutil.rmtree(probe_dir, ignore_errors=True)
     return Rates(
-        seconds_per_conversation=generating / max(1, len(conversations)),
+        seconds_per_conversation=per_conversation,
         tokens_per_conversation=tokens_per_conversation,
         decode_tokens_per_s=decode_rate,
         dump_tokens_per_s=dump_rate,
