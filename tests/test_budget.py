@@ -53,7 +53,7 @@ def test_a_duration_that_is_not_one_is_refused(text):
 
 
 def plan(budget_s, text_lengths, generate=True, so_far=70.0):
-    return plan_sizes(budget_s, REQUEST, RATES, text_lengths, 300, so_far, generate=generate)
+    return plan_sizes(budget_s, REQUEST | {"generate": generate}, RATES, text_lengths, 300, so_far)
 
 
 def test_the_plan_takes_the_most_conversations_that_fit():
@@ -61,7 +61,7 @@ def test_the_plan_takes_the_most_conversations_that_fit():
     assert MARGIN == 0.95
     fitted = plan(1000.0, [])
     assert (fitted.conversations, fitted.text_conversations, fitted.tokens) == (283, 0, 28300)
-    assert sum(fitted.predicted_s.values()) == pytest.approx(949.0)
+    assert fitted.predicted_total_s == pytest.approx(949.0)
     assert fitted.predicted_s["training"] == pytest.approx(283.0) and fitted.predicted_s["so far"] == 70.0
     assert sum(predicted_seconds(RATES, 284, 0, 3.0, 300, 70.0).values()) > 950
 
@@ -70,7 +70,7 @@ def test_text_is_drawn_in_the_recipe_proportion_until_it_runs_out():
     # 100 tokens of text cost 2 s (features and training): 4,500 of them for every 1,400 conversations
     fitted = plan(5000.0, [100] * 10_000)
     assert fitted.text_conversations == round(fitted.conversations * 4500 / 1400)
-    total = sum(fitted.predicted_s.values())
+    total = fitted.predicted_total_s
     # one more conversation by the target and 3 or 4 of text would not fit
     assert total <= 4750 < total + 3 + 2 * 3 and fitted.conversations == 493
     # with 50 conversations of text, the rest of the budget goes to the target's own: (4750 - 100 - 100) / 3

@@ -75,12 +75,16 @@ class Plan:
     tokens: int
     predicted_s: dict[str, float]  # per stage, the probe and loading included ("so far")
 
+    @property
+    def predicted_total_s(self) -> float:
+        return sum(self.predicted_s.values())
+
     def summary(self) -> str:
         stages = ", ".join(f"{name} {seconds / 60:.1f}" for name, seconds in self.predicted_s.items())
         return (
             f"--budget {minutes(self.budget_s)} min: {self.conversations} conversations by the target and "
             f"{self.text_conversations} of --text, {self.tokens} tokens, {self.request['epochs']:g} passes; "
-            f"predicted {sum(self.predicted_s.values()) / 60:.1f} min ({stages})"
+            f"predicted {self.predicted_total_s / 60:.1f} min ({stages})"
         )
 
 
@@ -105,17 +109,16 @@ def plan_sizes(
     text_lengths: list[int],
     closing_tokens: int,
     so_far: float,
-    generate: bool = True,
     max_tokens: float = math.inf,
 ) -> Plan:
     """The most conversations (and text in the recipe's proportion, all of it at most) whose predicted total
     fits MARGIN of the budget and whose tokens `max_tokens` (the dump's room on disk). `text_lengths`: the tokens
-    of each --text conversation in the order they are drawn; `generate` False: text only (--conversations 0). A
-    budget too small for one conversation is refused."""
+    of each --text conversation in the order they are drawn; `request["generate"]` False: text only
+    (--conversations 0). A budget too small for one conversation is refused."""
     cumulative = [0]
     for length in text_lengths:
         cumulative.append(cumulative[-1] + length)
-    epochs = request["epochs"]
+    epochs, generate = request["epochs"], request["generate"]
 
     def sizes(n: int) -> tuple[int, int]:  # n counts conversations by the target, or of text when only text
         if not generate:
@@ -228,9 +231,8 @@ def measure_rates(
             )
         generating = time.perf_counter() - started
         conversations, _ = read_conversations(written, require_assistant=True)
-        per_conversation = generating / max(1, len(conversations))
-        if not prompts:
-            per_conversation = generating / synthesized_per_batch(conversations, config.seed, written)
+        made = len(conversations) if prompts else synthesized_per_batch(conversations, config.seed, written)
+        per_conversation = generating / max(1, made)
         tokenized, _ = tokenize_conversations(
             target.tokenizer, conversations, config.max_length, config.learn_reasoning, config.learn_prompts
         )

@@ -168,7 +168,7 @@ def run_quickstart(
     last = metrics[-1]
     accuracies = "  ".join(f"acc_{j}={last[f'acc_{j}']:.3f}" for j in range(config.ttt_steps))
     minutes = (time.perf_counter() - started) / 60
-    planned = "" if plan is None else f" (predicted {sum(plan.predicted_s.values()) / 60:.1f} for --budget {budget})"
+    planned = "" if plan is None else f" (predicted {plan.predicted_total_s / 60:.1f} for --budget {budget})"
     serving = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": fastest(measured)})
     print(f"""
 done in {minutes:.1f} min{planned}
@@ -255,7 +255,7 @@ def measured_plan(
     free = shutil.disk_usage(out).free
     room = 0.9 * free / bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
     so_far = time.perf_counter() - started
-    plan = plan_sizes(budget_s, request, rates, lengths, closing_tokens, so_far, request["generate"], room)
+    plan = plan_sizes(budget_s, request, rates, lengths, closing_tokens, so_far, max_tokens=room)
     save_plan(plan, out)
     return plan
 
