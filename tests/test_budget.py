@@ -12,6 +12,7 @@ from wingspan.budget import (
     MARGIN,
     PLAN_FILE,
     Rates,
+    against_plan,
     measure_rates,
     parse_budget,
     plan_sizes,
@@ -19,11 +20,13 @@ from wingspan.budget import (
     save_plan,
     saved_plan,
     synthesized_per_batch,
+    typical_batch,
 )
 from wingspan.config import TrainConfig
 from wingspan.data.conversations import Conversation, Message
+from wingspan.data.template import chat_prompt
 from wingspan.errors import ConfigError
-from wingspan.quickstart import run_quickstart, text_sample
+from wingspan.quickstart import prompt_sample, run_quickstart, text_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,6 +101,15 @@ def test_a_budget_too_small_for_one_conversation_is_refused():
         plan(100.0, [])
 
 
+def test_a_run_reports_each_stage_beside_its_prediction():
+    fitted = plan(1000.0, [])  # 283 conversations: 283 s each of writing, features and training
+    spent = {"so far": 66.0, "the target's conversations": 141.0, "features": 300.0, "training": 283.0}
+    assert against_plan(fitted, spent) == (
+        "so far 1.1 min (predicted 1.2), the target's conversations 2.4 min (predicted 4.7), "
+        "features 5.0 min (predicted 4.7), training 4.7 min (predicted 4.7)"
+    )
+
+
 def test_the_plan_is_kept_and_one_for_other_options_refused(tmp_path):
     fitted = plan(1000.0, [100] * 5)
     save_plan(fitted, tmp_path)
@@ -139,8 +151,24 @@ def test_a_synthesis_batch_counts_the_conversations_it_keeps_not_those_asked_for
     assert synthesized_per_batch(made[:20], 7, tmp_path / "s.jsonl") == 20  # one batch: all it kept
 
 
-def test_the_probe_times_every_stage_and_leaves_nothing_behind(chatty, tiny_llama_dir, counting_chat, tmp_path):  # noqa: F811
-    config = TrainConfig(
+def test_the_probe_times_a_batch_of_typical_prompts_not_one_padded_to_the_longest(smollm2_tokenizer):
+    """A regeneration batches prompts sorted by length, and drops those too long to answer; a batch drawn at random
+    here would hold the one long prompt and be padded to it."""
+    extra = [0, 1, 2, 3, 4, 5, 6, 7, 100]
+    prompts = [Conversation([Message("user", "Say" + " a" * n)], id=f"p{n}", source="s") for n in reversed(extra)]
+    lengths = {c.id: len(chat_prompt(smollm2_tokenizer, c.as_dicts())) for c in prompts}
+    assert [lengths[f"p{n}"] - lengths["p0"] for n in extra] == extra  # one token per " a"
+    # all fit: the mean is 14.2 tokens past the shortest; of the pairs in order, 6-7 (6.5) is nearest, 7-100 not
+    batch, fits = typical_batch(smollm2_tokenizer, prompts, 2, longest=lengths["p100"])
+    assert [c.id for c in batch] == ["p6", "p7"] and fits == 1.0
+    # the long one is never answered: the mean of the 8 that fit is 3.5, the pair 3-4
+    batch, fits = typical_batch(smollm2_tokenizer, prompts, 2, longest=lengths["p7"])
+    assert [c.id for c in batch] == ["p3", "p4"] and fits == 8 / 9
+    assert typical_batch(smollm2_tokenizer, prompts[:2], 3, longest=lengths["p7"]) == (prompts[1:2], 0.5)
+
+
+def probe_config(tiny_llama_dir, tmp_path) -> TrainConfig:
+    return TrainConfig(
         target=str(tiny_llama_dir),
         output_dir=str(tmp_path / "run"),
         target_dtype="float32",
@@ -152,12 +180,37 @@ def test_the_probe_times_every_stage_and_leaves_nothing_behind(chatty, tiny_llam
         ttt_steps=2,
         lr=1e-3,
     )
+
+
+def test_the_probe_times_every_stage_and_leaves_nothing_behind(chatty, tiny_llama_dir, counting_chat, tmp_path):  # noqa: F811
+    config = probe_config(tiny_llama_dir, tmp_path)
     text = text_sample((str(counting_chat(12, spread=4)),), None, seed=0)
     lengths = [30] * len(text)
     synth = dict(batch_size=4, max_new_tokens=6)
-    rates = measure_rates(chatty, config, tmp_path / "probe", synth, [], text, lengths)
+    rates = measure_rates(chatty, config, tmp_path / "probe", synth, [], 0.0, text, lengths)
     assert not (tmp_path / "probe").exists()
     for name, value in dataclasses.asdict(rates).items():
         assert math.isfinite(value) and value > 0, name
     # a synthesized conversation: a user turn of at most 128 tokens, a reply of at most 6, and the template's own
     assert 6 < rates.tokens_per_conversation <= 128 + 6 + 12
+
+
+def test_the_probe_weighs_answered_prompts_and_invented_conversations_by_their_share(
+    chatty,  # noqa: F811
+    tiny_llama_dir,
+    counting_chat,
+    tmp_path,
+):
+    """Each kind gets a whole batch of its own; the rates are the share-weighted mean of the two (answers are
+    greedy and synthesis seeded, so the tokens are the same in every probe)."""
+    config = probe_config(tiny_llama_dir, tmp_path)
+    chats = (str(counting_chat(12, spread=4)),)
+    prompts, text = prompt_sample(chats, 4, seed=0), text_sample(chats, None, seed=0)
+    synth = dict(batch_size=4, max_new_tokens=6)
+    tokens = {}
+    for share in (0.0, 0.5, 1.0):
+        rates = measure_rates(chatty, config, tmp_path / "probe", synth, prompts, share, text, [30] * len(text))
+        assert math.isfinite(rates.seconds_per_conversation) and rates.seconds_per_conversation > 0
+        tokens[share] = rates.tokens_per_conversation
+    assert tokens[0.0] != tokens[1.0]
+    assert tokens[0.5] == pytest.approx((tokens[0.0] + tokens[1.0]) / 2)

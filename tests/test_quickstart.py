@@ -188,6 +188,22 @@ def test_the_drawn_text_is_kept_and_a_different_draw_refused(tmp_path):
     assert kept.read_bytes() == before and not (kept.parent / "train_config.json").exists()
 
 
+def test_a_rerun_asking_fewer_conversations_than_its_out_holds_is_refused(tmp_path):
+    """The synthesis extends its file to a larger count, but would keep a larger file as it is and the draft train
+    on all of it: the quickstart refuses that before it writes its config or loads the target."""
+    from wingspan.data.conversations import Conversation, Message, write_conversations_jsonl
+    from wingspan.quickstart import run_quickstart
+
+    out = tmp_path / "q"
+    out.mkdir()
+    messages = [Message("user", "hi"), Message("assistant", "hello")]
+    made = [Conversation(messages, id=f"synth-0-0-{i}", source="s") for i in range(5)]
+    write_conversations_jsonl(made, out / "synth.jsonl")
+    with pytest.raises(ConfigError, match=r"synth.jsonl: holds 5 conversations of an earlier run, more than the 3 "):
+        run_quickstart(out, device="cpu", conversations=3)
+    assert not (out / "train_config.json").exists()
+
+
 def test_excluded_sets_are_never_drawn(tmp_path, capsys):
     """`--exclude`: the prompts and the text whose first user turn is a user turn of an excluded set or file are
     left out of the draw; the rest are drawn in the order they have without it."""

@@ -152,6 +152,13 @@ def plan_sizes(
     return Plan(budget_s, request, rates, conversations, texts, tokens, predicted)
 
 
+def against_plan(plan: Plan, spent: dict[str, float]) -> str:
+    """Minutes `spent` on each of the plan's stages (this process's share, on a rerun), beside its prediction."""
+    return ", ".join(
+        f"{stage} {spent[stage] / 60:.1f} min (predicted {plan.predicted_s[stage] / 60:.1f})" for stage in spent
+    )
+
+
 def save_plan(plan: Plan, out: Path) -> None:
     (out / PLAN_FILE).write_text(json.dumps(dataclasses.asdict(plan), indent=2) + "\n")
 
@@ -187,65 +194,109 @@ def synthesized_per_batch(conversations: list[Conversation], seed: int, path: Pa
     return (last + 1) * kept_per_batch
 
 
+def typical_batch(
+    tokenizer, prompts: list[Conversation], batch_size: int, longest: int
+) -> tuple[list[Conversation], float]:
+    """The `batch_size` of `prompts` that make a batch of average cost, and the share of `prompts` that fit: a
+    regeneration drops a prompt longer than `longest` tokens unanswered, and batches the rest sorted by length,
+    each batch padded to its longest, so a batch drawn at random (padded to its one long prompt) would overstate
+    the cost. The batch is the run of neighbours in that order whose mean length is nearest the mean of those
+    that fit."""
+    from wingspan.data.template import chat_prompt
+
+    lengths = {c.id: len(chat_prompt(tokenizer, c.as_dicts())) for c in prompts}
+    fitting = sorted((c for c in prompts if lengths[c.id] <= longest), key=lambda c: lengths[c.id])
+    fits = len(fitting) / len(prompts) if prompts else 0.0
+    if len(fitting) <= batch_size:
+        return fitting, fits
+    mean = sum(lengths[c.id] for c in fitting) / len(fitting)
+
+    def distance(start: int) -> float:
+        return abs(sum(lengths[c.id] for c in fitting[start : start + batch_size]) / batch_size - mean)
+
+    start = min(range(len(fitting) - batch_size + 1), key=distance)
+    return fitting[start : start + batch_size], fits
+
+
 def measure_rates(
     target: TargetModel,
     config: TrainConfig,
     probe_dir: Path,
     synth: dict,
     prompts: list[Conversation],
+    answered_share: float,
     text: list[Conversation],
     text_lengths: list[int],
 ) -> Rates:
-    """Time each stage on `target` in `probe_dir` (removed after): one batch of `synth` settings (answers to
-    `prompts` where given, else invented conversations), plain decoding at batch 1, then about PROBE_TOKENS of
-    those conversations and of `text` (`text_lengths` tokens each) dumped and trained on for PROBE_STEPS steps
-    with `config`'s recipe."""
+    """Time each stage on `target` in `probe_dir` (removed after): one batch of `synth` settings of each kind of
+    conversation the run will have (answers to a `typical_batch` of `prompts`, all the run may draw, for
+    `answered_share` of the conversations; invented ones for the rest), plain decoding at batch 1, then about
+    PROBE_TOKENS of those conversations and of `text` (`text_lengths` tokens each) dumped and trained on for
+    PROBE_STEPS steps with `config`'s recipe."""
     from wingspan.data.conversations import read_conversations, write_conversations_jsonl
     from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.template import chat_prompt, tokenize_conversations
     from wingspan.pipeline import run_dump, run_training
 
+    def tokens_in(conversations: list[Conversation]) -> int:
+        tokenized, _ = tokenize_conversations(
+            target.tokenizer, conversations, config.max_length, config.learn_reasoning, config.learn_prompts
+        )
+        return sum(len(r.input_ids) for r in tokenized)
+
     shutil.rmtree(probe_dir, ignore_errors=True)
     probe_dir.mkdir(parents=True)
     try:
-        written = probe_dir / "conversations.jsonl"
-        started = time.perf_counter()
-        if prompts:
+        # per kind: its share of the conversations, and seconds and tokens per conversation asked for
+        kinds: list[tuple[float, float, float]] = []
+        data, written = [], []
+        longest = config.max_length - synth["max_new_tokens"]
+        batch, fits = typical_batch(target.tokenizer, prompts, synth["batch_size"], longest)
+        if answered_share and batch:
+            path = probe_dir / "replies.jsonl"
+            started = time.perf_counter()
             regenerate(
                 target,
-                prompts[: synth["batch_size"]],
-                written,
+                batch,
+                path,
                 max_new_tokens=synth["max_new_tokens"],
                 batch_size=synth["batch_size"],
                 max_length=config.max_length,
                 seed=config.seed,
             )
-        else:
+            elapsed = time.perf_counter() - started
+            replies, _ = read_conversations(path, require_assistant=True)
+            # a prompt too long to answer costs nothing and adds nothing, but counts as asked for
+            kinds.append((answered_share, fits * elapsed / len(batch), fits * tokens_in(replies) / len(batch)))
+            data.append(str(path))
+            written += replies
+        if answered_share < 1:
+            path = probe_dir / "synth.jsonl"
+            started = time.perf_counter()
             synthesize(
                 target,
                 synth["batch_size"],
-                written,
+                path,
                 batch_size=synth["batch_size"],
                 max_new_tokens=synth["max_new_tokens"],
                 seed=config.seed,
             )
-        generating = time.perf_counter() - started
-        conversations, _ = read_conversations(written, require_assistant=True)
-        made = len(conversations) if prompts else synthesized_per_batch(conversations, config.seed, written)
-        per_conversation = generating / max(1, made)
-        tokenized, _ = tokenize_conversations(
-            target.tokenizer, conversations, config.max_length, config.learn_reasoning, config.learn_prompts
-        )
-        tokens_per_conversation = sum(len(r.input_ids) for r in tokenized) / max(1, len(tokenized))
+            elapsed = time.perf_counter() - started
+            invented, _ = read_conversations(path, require_assistant=True)
+            made = synthesized_per_batch(invented, config.seed, path)
+            kinds.append((1 - answered_share, elapsed / made, tokens_in(invented) / len(invented)))
+            data.append(str(path))
+            written += invented
+        per_conversation = sum(share * seconds for share, seconds, _ in kinds)
+        tokens_per_conversation = sum(share * tokens for share, _, tokens in kinds)
 
-        first_user = next(m.content for m in conversations[0].messages if m.role == "user")
+        first_user = next(m.content for m in written[0].messages if m.role == "user")
         started = time.perf_counter()
         asked = chat_prompt(target.tokenizer, [{"role": "user", "content": first_user}])
         decoded = target.generate([asked], PROBE_DECODE_TOKENS)
         decode_rate = max(1, len(decoded[0].tokens)) / (time.perf_counter() - started)
 
-        data = [str(written)]
-        sample, tokens = [], sum(len(r.input_ids) for r in tokenized)
+        sample, tokens = [], tokens_in(written)
         for conversation, length in zip(text, text_lengths):
             if tokens >= PROBE_TOKENS:
                 break

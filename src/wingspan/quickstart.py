@@ -77,7 +77,8 @@ def run_quickstart(
     make the longer recipes of docs/quickstart.md. `budget` (a duration such as 2h) chooses `conversations` and
     `text_conversations` instead, measured on this machine (wingspan/budget.py); `conversations` 0 still means
     text only."""
-    from wingspan.budget import saved_plan
+    from wingspan.budget import against_plan, saved_plan
+    from wingspan.data.conversations import read_finished
     from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.vocab import DraftVocab
     from wingspan.export import export_draft, provenance_of
@@ -86,6 +87,11 @@ def run_quickstart(
     from wingspan.pipeline import run_dump, run_training
 
     started = time.perf_counter()
+    laps = [("", started)]  # (stage, when it ended), named as a budget plan's stages
+
+    def lap(stage: str) -> None:
+        laps.append((stage, time.perf_counter()))
+
     config = TrainConfig(output_dir=str(out / "run"), device=device, **QUICKSTART_RECIPE | {"epochs": epochs})
     held_out = held_out_keys(exclude, prompts + text)
     target = plan = None
@@ -119,9 +125,17 @@ def run_quickstart(
     out.mkdir(parents=True, exist_ok=True)
     if written:  # first: a rerun that drew other text is refused before anything of the earlier run is replaced
         keep_text(written, text_path)
+    if invented and synth_path.exists():  # synthesize() extends a file, and keeps one that holds more
+        earlier = len(read_finished(synth_path))
+        if earlier > invented:
+            raise ConfigError(
+                f"{synth_path}: holds {earlier} conversations of an earlier run, more than the {invented} asked for "
+                "now; give a changed setting its own --out"
+            )
     save_json(config, out / "train_config.json")
 
     target = target or load_target_once(config)
+    lap("so far")
 
     if sample:
         print(f"[2/5] the target's replies to {len(sample)} prompts from {', '.join(prompts)} -> {replies_path}")
@@ -150,9 +164,13 @@ def run_quickstart(
     if written:
         print(f"[2/5] {len(written)} conversations written by others, from {', '.join(text)}: {text_path}")
 
+    lap("the target's conversations")
+
     print(f"[3/5] the target's features -> {dump_dir}, then the draft vocab and training")
     run_dump(config, dump_dir, resume=True, target=target)
+    lap("features")
     draft_dir = run_training(config, resume="if-any", target=target)
+    lap("training")
 
     print("[4/5] export for vLLM")
     export_dir = out / "vllm-draft"
@@ -161,6 +179,7 @@ def run_quickstart(
 
     print(f"[5/5] measuring the export against plain decoding on {CHECK['limit']} {CHECK['prompt_set']} first turns")
     measured = measure_draft(target, export_dir, out / "eval", config.target_dtype, **CHECK)
+    lap("closing measurement")
 
     vocab_path = Path(config.output_dir) / "vocab.safetensors"
     vocab = DraftVocab.load(vocab_path)
@@ -168,10 +187,14 @@ def run_quickstart(
     last = metrics[-1]
     accuracies = "  ".join(f"acc_{j}={last[f'acc_{j}']:.3f}" for j in range(config.ttt_steps))
     minutes = (time.perf_counter() - started) / 60
-    planned = "" if plan is None else f" (predicted {plan.predicted_total_s / 60:.1f} for --budget {budget})"
+    planned = by_stage = ""
+    if plan is not None:
+        spent = {stage: end - laps[i][1] for i, (stage, end) in enumerate(laps[1:])}
+        planned = f" (predicted {plan.predicted_total_s / 60:.1f} for --budget {budget})"
+        by_stage = f"\n  by stage      : {against_plan(plan, spent)}"
     serving = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": fastest(measured)})
     print(f"""
-done in {minutes:.1f} min{planned}
+done in {minutes:.1f} min{planned}{by_stage}
   conversations : {", ".join(data)}
   target features: {dump_dir} (read by `wingspan train -c {out / "train_config.json"}` too)
   draft vocab   : {vocab_path} ({vocab.draft_vocab_size} tokens, {vocab.coverage:.1%} coverage)
@@ -245,11 +268,10 @@ def measured_plan(
             target.tokenizer, [conversation], config.max_length, config.learn_reasoning, config.learn_prompts
         )
         lengths.append(len(tokenized[0].input_ids) if tokenized else 0)
-    asked, _ = plan_conversations(
-        tuple(request["prompts"]), request["prompt_share"], SYNTH["batch_size"], config.seed, held_out
-    )
+    prompts = prompt_sample(tuple(request["prompts"]), None, config.seed, held_out) if request["prompts"] else []
+    answered_share = (1.0 if request["prompt_share"] is None else request["prompt_share"]) if prompts else 0.0
     print(f"[0/5] measuring this machine for the budget: one batch of each stage, in {out / 'probe'} (removed after)")
-    rates = measure_rates(target, config, out / "probe", SYNTH, asked, pool, lengths)
+    rates = measure_rates(target, config, out / "probe", SYNTH, prompts, answered_share, pool, lengths)
     closing_tokens = CHECK["limit"] * CHECK["max_new_tokens"] * (1 + len(CHECK["chain_lengths"]))
     # The dump is the run's only large file: its tokens stop where the disk would fill.
     free = shutil.disk_usage(out).free
@@ -298,10 +320,11 @@ def plan_conversations(
 
 
 def prompt_sample(
-    files: tuple[str, ...], count: int, seed: int, held_out: frozenset[str] = frozenset()
+    files: tuple[str, ...], count: int | None, seed: int, held_out: frozenset[str] = frozenset()
 ) -> list[Conversation]:
-    """`count` conversations drawn at random (seeded) from all of `files` together, each cut to its first user
-    turn (and any system message before it): the prompts the target answers. Fewer when the files hold fewer."""
+    """`count` (None: all) conversations drawn at random (seeded) from all of `files` together, each cut to its
+    first user turn (and any system message before it): the prompts the target answers. Fewer when the files
+    hold fewer."""
     pool = []
     for conversation in _drawn(files, "--prompts", seed, held_out, require_assistant=False)[:count]:
         first_user = next(i for i, m in enumerate(conversation.messages) if m.role == "user")
