@@ -214,3 +214,7 @@ def test_the_probe_weighs_answered_prompts_and_invented_conversations_by_their_s
         tokens[share] = rates.tokens_per_conversation
     assert tokens[0.0] != tokens[1.0]
     assert tokens[0.5] == pytest.approx((tokens[0.0] + tokens[1.0]) / 2)
+    too_long = [Conversation([Message("user", "Say" + " a" * 80)], id="long", source="s")]  # max_length 64
+    with pytest.raises(ConfigError, match=r"--prompts: no prompt is short enough to answer \(at most 58 tokens"):
+        measure_rates(chatty, config, tmp_path / "probe", synth, too_long, 1.0, text, [30] * len(text))
+    assert not (tmp_path / "probe").exists()

@@ -287,6 +287,11 @@ def measure_rates(
             kinds.append((1 - answered_share, elapsed / made, tokens_in(invented) / len(invented)))
             data.append(str(path))
             written += invented
+        if not written:
+            raise ConfigError(
+                f"--prompts: no prompt is short enough to answer (at most {longest} tokens, for max_length "
+                f"{config.max_length} with a {synth['max_new_tokens']}-token reply)"
+            )
         per_conversation = sum(share * seconds for share, seconds, _ in kinds)
         tokens_per_conversation = sum(share * tokens for share, _, tokens in kinds)
 
