@@ -249,7 +249,7 @@ def measure_rates(
     try:
         # per kind: its share of the conversations, and seconds and tokens per conversation asked for
         kinds: list[tuple[float, float, float]] = []
-        data, written = [], []
+        data, written, generated_tokens = [], [], 0
         longest = config.max_length - synth["max_new_tokens"]
         batch, fits = typical_batch(target.tokenizer, prompts, synth["batch_size"], longest)
         if answered_share and batch:
@@ -266,10 +266,12 @@ def measure_rates(
             )
             elapsed = time.perf_counter() - started
             replies, _ = read_conversations(path, require_assistant=True)
+            tokens = tokens_in(replies)
             # a prompt too long to answer costs nothing and adds nothing, but counts as asked for
-            kinds.append((answered_share, fits * elapsed / len(batch), fits * tokens_in(replies) / len(batch)))
+            kinds.append((answered_share, fits * elapsed / len(batch), fits * tokens / len(batch)))
             data.append(str(path))
             written += replies
+            generated_tokens += tokens
         if answered_share < 1:
             path = probe_dir / "synth.jsonl"
             started = time.perf_counter()
@@ -284,9 +286,11 @@ def measure_rates(
             elapsed = time.perf_counter() - started
             invented, _ = read_conversations(path, require_assistant=True)
             made = synthesized_per_batch(invented, config.seed, path)
-            kinds.append((1 - answered_share, elapsed / made, tokens_in(invented) / len(invented)))
+            tokens = tokens_in(invented)
+            kinds.append((1 - answered_share, elapsed / made, tokens / len(invented)))
             data.append(str(path))
             written += invented
+            generated_tokens += tokens
         if not written:
             raise ConfigError(
                 f"--prompts: no prompt is short enough to answer (at most {longest} tokens, for max_length "
@@ -301,7 +305,7 @@ def measure_rates(
         decoded = target.generate([asked], PROBE_DECODE_TOKENS)
         decode_rate = max(1, len(decoded[0].tokens)) / (time.perf_counter() - started)
 
-        sample, tokens = [], tokens_in(written)
+        sample, tokens = [], generated_tokens
         for conversation, length in zip(text, text_lengths):
             if tokens >= PROBE_TOKENS:
                 break
