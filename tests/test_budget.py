@@ -10,32 +10,40 @@ from test_synth import chatty  # noqa: F401
 
 from wingspan.budget import (
     MARGIN,
+    NO_PROMPTS,
     PLAN_FILE,
+    Prompts,
     Rates,
     against_plan,
+    by_the_target,
+    fitted_passes,
     measure_rates,
     parse_budget,
     plan_sizes,
     predicted_seconds,
+    probe_batches,
     save_plan,
     saved_plan,
     synthesized_per_batch,
-    typical_batch,
 )
 from wingspan.config import TrainConfig
 from wingspan.data.conversations import Conversation, Message
 from wingspan.data.template import chat_prompt
 from wingspan.errors import ConfigError
-from wingspan.quickstart import prompt_sample, run_quickstart, text_sample
+from wingspan.quickstart import fit_training_to_budget, prompt_sample, run_quickstart, text_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REQUEST = dict(epochs=3.0, generate=True, prompts=[], prompt_share=None, text=["t.jsonl"], exclude=[])
 # A conversation by the target: 1 s to write, 100 tokens; its features 1 s (100 tokens/s), 3 passes of training
-# 1 s (300 tokens/s): 3 s in all. The closing measurement: 300 tokens at 10 a second, 30 s.
+# 1 s (300 tokens/s): 3 s in all. The closing measurement: 300 tokens at 10 a second, 30 s. A batch of answers to
+# --prompts: 2 s, and 0.01 s a prompt token padded to its longest; 50 tokens of reply each.
 RATES = Rates(
-    seconds_per_conversation=1.0,
-    tokens_per_conversation=100.0,
+    invented_s=1.0,
+    invented_tokens=100.0,
+    answer_batch_s=2.0,
+    answer_prompt_token_s=0.01,
+    answer_reply_tokens=50.0,
     decode_tokens_per_s=10.0,
     dump_tokens_per_s=100.0,
     train_tokens_per_s=300.0,
@@ -66,7 +74,7 @@ def test_the_plan_takes_the_most_conversations_that_fit():
     assert (fitted.conversations, fitted.text_conversations, fitted.tokens) == (283, 0, 28300)
     assert fitted.predicted_total_s == pytest.approx(949.0)
     assert fitted.predicted_s["training"] == pytest.approx(283.0) and fitted.predicted_s["so far"] == 70.0
-    assert sum(predicted_seconds(RATES, 284, 0, 3.0, 300, 70.0).values()) > 950
+    assert sum(predicted_seconds(RATES, NO_PROMPTS, 284, 0, 3.0, 300, 70.0).values()) > 950
 
 
 def test_text_is_drawn_in_the_recipe_proportion_until_it_runs_out():
@@ -151,20 +159,62 @@ def test_a_synthesis_batch_counts_the_conversations_it_keeps_not_those_asked_for
     assert synthesized_per_batch(made[:20], 7, tmp_path / "s.jsonl") == 20  # one batch: all it kept
 
 
-def test_the_probe_times_a_batch_of_typical_prompts_not_one_padded_to_the_longest(smollm2_tokenizer):
+def test_the_probe_times_a_typical_batch_and_the_longest_not_one_padded_at_random():
     """A regeneration batches prompts sorted by length, and drops those too long to answer; a batch drawn at random
     here would hold the one long prompt and be padded to it."""
     extra = [0, 1, 2, 3, 4, 5, 6, 7, 100]
-    prompts = [Conversation([Message("user", "Say" + " a" * n)], id=f"p{n}", source="s") for n in reversed(extra)]
-    lengths = {c.id: len(chat_prompt(smollm2_tokenizer, c.as_dicts())) for c in prompts}
-    assert [lengths[f"p{n}"] - lengths["p0"] for n in extra] == extra  # one token per " a"
+    lengths = [10 + n for n in reversed(extra)]  # index 8 - k holds 10 + extra[k]
+    index = {n: 8 - k for k, n in enumerate(extra)}
     # all fit: the mean is 14.2 tokens past the shortest; of the pairs in order, 6-7 (6.5) is nearest, 7-100 not
-    batch, fits = typical_batch(smollm2_tokenizer, prompts, 2, longest=lengths["p100"])
-    assert [c.id for c in batch] == ["p6", "p7"] and fits == 1.0
+    typical, longest = probe_batches(Prompts(lengths, share=1.0, batch_size=2, longest=110))
+    assert (typical, longest) == ([index[6], index[7]], [index[7], index[100]])
     # the long one is never answered: the mean of the 8 that fit is 3.5, the pair 3-4
-    batch, fits = typical_batch(smollm2_tokenizer, prompts, 2, longest=lengths["p7"])
-    assert [c.id for c in batch] == ["p3", "p4"] and fits == 8 / 9
-    assert typical_batch(smollm2_tokenizer, prompts[:2], 3, longest=lengths["p7"]) == (prompts[1:2], 0.5)
+    typical, longest = probe_batches(Prompts(lengths, share=1.0, batch_size=2, longest=17))
+    assert (typical, longest) == ([index[3], index[4]], [index[6], index[7]])
+    assert probe_batches(Prompts(lengths[:2], share=1.0, batch_size=3, longest=17)) == ([1], [1])
+    assert probe_batches(Prompts(lengths[:1], share=1.0, batch_size=3, longest=17)) == ([], [])
+
+
+def test_answers_are_charged_by_their_batches_padded_to_the_longest():
+    """The first round(share x n) prompts drawn are answered, sorted into batches of 2, each padded to its longest;
+    one too long (500) is dropped, costing nothing; invented conversations make up the rest."""
+    prompts = Prompts([10, 30, 20, 500, 40], share=0.5, batch_size=2, longest=100)
+    # 2 asked, [10, 30]: 2 s + 0.01 s x 2 rows x 30; 40 prompt tokens and 2 replies of 50; 2 invented
+    assert by_the_target(RATES, prompts, 4) == pytest.approx((2.6 + 2.0, 140 + 200))
+    # 4 asked, [10, 20] and [30] (500 dropped): 2.4 s + 2.3 s; 60 prompt tokens and 3 replies; 4 invented
+    assert by_the_target(RATES, prompts, 8) == pytest.approx((4.7 + 4.0, 210 + 400))
+    # all 5 asked (the files hold no more), [10, 20] and [30, 40]: 2.4 s + 2.8 s; 15 invented
+    assert by_the_target(RATES, prompts, 20) == pytest.approx((5.2 + 15.0, 300 + 1500))
+    assert by_the_target(RATES, NO_PROMPTS, 20) == (20.0, 2000.0)
+    # the same budget buys fewer answers to long prompts than to short ones, each within it
+    request = REQUEST | {"prompts": ["p.jsonl"], "prompt_share": 1.0}
+    short, long = (
+        plan_sizes(2000.0, request, RATES, [], 300, 70.0, prompts=Prompts([n] * 1000, 1.0, 32, 1000)) for n in (10, 900)
+    )
+    assert long.conversations < short.conversations
+    assert max(short.predicted_total_s, long.predicted_total_s) <= MARGIN * 2000.0
+
+
+def test_training_makes_the_passes_that_still_fit_the_budget(tmp_path, capsys):
+    fitted = plan(1000.0, [])  # 283 conversations, 28,300 tokens; 636 s before training on the plan
+    assert fitted_passes(fitted, 636.0, 28_300) == 3.0  # on time: the plan's passes (284 s left of 283)
+    assert fitted_passes(fitted, 731.0, 28_300) == 2.0  # 95 s late: 189 s left, 56,700 tokens at 300 a second
+    assert fitted_passes(fitted, 900.0, 28_300) == 1.0  # too late for one pass: one all the same
+    assert fitted_passes(fitted, 400.0, 28_300) == 3.0  # early: never more than the plan's
+    halved = dataclasses.replace(fitted, request=REQUEST | {"epochs": 0.5})
+    assert fitted_passes(halved, 900.0, 28_300) == 0.5
+
+    config = TrainConfig(data=["x.jsonl"], output_dir=str(tmp_path / "run"), epochs=3.0)
+    assert fit_training_to_budget(fitted, config, tmp_path, 731.0, 28_300).epochs == 2.0
+    assert capsys.readouterr().out == (
+        "[3/5] training makes 2 passes in place of 3: the stages before it took 1.6 min more than predicted\n"
+    )
+    kept = saved_plan(tmp_path, 1000.0, REQUEST)
+    assert kept.training_passes == 2.0
+    assert json.loads((tmp_path / "train_config.json").read_text())["epochs"] == 2.0
+    # a rerun (this process spent less) resumes the same training
+    assert fit_training_to_budget(kept, config, tmp_path, 100.0, 28_300).epochs == 2.0
+    assert "as fitted to the budget when training first started" in capsys.readouterr().out
 
 
 def probe_config(tiny_llama_dir, tmp_path) -> TrainConfig:
@@ -187,34 +237,45 @@ def test_the_probe_times_every_stage_and_leaves_nothing_behind(chatty, tiny_llam
     text = text_sample((str(counting_chat(12, spread=4)),), None, seed=0)
     lengths = [30] * len(text)
     synth = dict(batch_size=4, max_new_tokens=6)
-    rates = measure_rates(chatty, config, tmp_path / "probe", synth, [], 0.0, text, lengths)
+    rates = measure_rates(chatty, config, tmp_path / "probe", synth, [], NO_PROMPTS, text, lengths)
     assert not (tmp_path / "probe").exists()
     for name, value in dataclasses.asdict(rates).items():
-        assert math.isfinite(value) and value > 0, name
+        if name.startswith("answer_"):  # no --prompts: none answered
+            assert value == 0.0, name
+        else:
+            assert math.isfinite(value) and value > 0, name
     # a synthesized conversation: a user turn of at most 128 tokens, a reply of at most 6, and the template's own
-    assert 6 < rates.tokens_per_conversation <= 128 + 6 + 12
+    assert 6 < rates.invented_tokens <= 128 + 6 + 12
 
 
-def test_the_probe_weighs_answered_prompts_and_invented_conversations_by_their_share(
+def test_the_probe_times_each_kind_of_conversation_the_run_will_have(
     chatty,  # noqa: F811
     tiny_llama_dir,
     counting_chat,
     tmp_path,
 ):
-    """Each kind gets a whole batch of its own; the rates are the share-weighted mean of the two (answers are
-    greedy and synthesis seeded, so the tokens are the same in every probe)."""
+    """Answers to --prompts (two batches: 8 prompts, 4 a batch) when the run answers any, invented conversations
+    when it invents any; answers are greedy and synthesis seeded, so each kind's tokens are the same in every
+    probe."""
     config = probe_config(tiny_llama_dir, tmp_path)
     chats = (str(counting_chat(12, spread=4)),)
-    prompts, text = prompt_sample(chats, 4, seed=0), text_sample(chats, None, seed=0)
+    prompts, text = prompt_sample(chats, 8, seed=0), text_sample(chats, None, seed=0)
+    lengths = [len(chat_prompt(chatty.tokenizer, c.as_dicts())) for c in prompts]
     synth = dict(batch_size=4, max_new_tokens=6)
-    tokens = {}
+    rates = {}
     for share in (0.0, 0.5, 1.0):
-        rates = measure_rates(chatty, config, tmp_path / "probe", synth, prompts, share, text, [30] * len(text))
-        assert math.isfinite(rates.seconds_per_conversation) and rates.seconds_per_conversation > 0
-        tokens[share] = rates.tokens_per_conversation
-    assert tokens[0.0] != tokens[1.0]
-    assert tokens[0.5] == pytest.approx((tokens[0.0] + tokens[1.0]) / 2)
+        asked = Prompts(lengths, share, batch_size=4, longest=config.max_length - 6)
+        rates[share] = measure_rates(chatty, config, tmp_path / "probe", synth, prompts, asked, text, [30] * 12)
+    assert rates[0.0].answer_batch_s == rates[0.0].answer_reply_tokens == 0.0
+    assert rates[1.0].invented_s == rates[1.0].invented_tokens == 0.0
+    for timed in (rates[0.5], rates[1.0]):
+        assert timed.answer_batch_s + 4 * max(lengths) * timed.answer_prompt_token_s > 0
+        assert timed.answer_prompt_token_s >= 0 and math.isfinite(timed.answer_prompt_token_s)
+    assert rates[0.5].answer_reply_tokens == rates[1.0].answer_reply_tokens
+    assert 0 < rates[1.0].answer_reply_tokens <= 6 + 12  # a reply of at most 6, and the template's own
+    assert rates[0.5].invented_tokens == rates[0.0].invented_tokens > 0
     too_long = [Conversation([Message("user", "Say" + " a" * 80)], id="long", source="s")]  # max_length 64
+    asked = Prompts([len(chat_prompt(chatty.tokenizer, too_long[0].as_dicts()))], 1.0, 4, config.max_length - 6)
     with pytest.raises(ConfigError, match=r"--prompts: no prompt is short enough to answer \(at most 58 tokens"):
-        measure_rates(chatty, config, tmp_path / "probe", synth, too_long, 1.0, text, [30] * len(text))
+        measure_rates(chatty, config, tmp_path / "probe", synth, too_long, asked, text, [30] * 12)
     assert not (tmp_path / "probe").exists()

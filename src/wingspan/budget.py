@@ -1,11 +1,12 @@
 """`wingspan quickstart --budget`: size the main job's data to a wall-clock budget on the machine at hand.
 
-Before anything is generated, a short probe times each stage on the loaded target: one synthesis batch, plain
-decoding at batch 1, a small dump of the target's features and a few training steps from it (all in a scratch
-folder, removed after). The plan then takes the most conversations whose predicted total fits the budget, with
---text drawn in the 2-hour recipe's proportion, and is kept in `budget.json` beside the run, so that a rerun
-after an interruption continues the same plan instead of measuring again.
-"""
+Before anything is generated, a short probe times each stage on the loaded target: the target's answers to a
+batch of typical --prompts and to the longest batch (a batch's cost grows with its padded length), one synthesis
+batch, plain decoding at batch 1, a small dump of the target's features and a few training steps from it (all in
+a scratch folder, removed after). The plan then takes the most conversations whose predicted total fits the
+budget, with --text drawn in the 2-hour recipe's proportion, and is kept in `budget.json` beside the run, so that
+a rerun after an interruption continues the same plan instead of measuring again. When training starts, its
+passes are fitted to the time left (`fitted_passes`): the stages before may have run slower than the probe."""
 
 from __future__ import annotations
 
@@ -58,11 +59,50 @@ def minutes(seconds: float) -> str:
 class Rates:
     """This machine's speed at each stage, as the probe measured it on the loaded target."""
 
-    seconds_per_conversation: float  # the target writing one conversation (batched, as the quickstart runs it)
-    tokens_per_conversation: float  # training tokens in one of them
+    invented_s: float  # the target inventing one conversation (batched, as the quickstart runs it)
+    invented_tokens: float  # training tokens in one of them
+    answer_batch_s: float  # a batch of the target's answers to --prompts costs this, and
+    answer_prompt_token_s: float  # this for each prompt token of its rows, each padded to the batch's longest
+    answer_reply_tokens: float  # training tokens in an answer beyond its prompt's
     decode_tokens_per_s: float  # plain greedy decoding at batch 1 (the closing measurement)
     dump_tokens_per_s: float  # the target's features, written to disk
     train_tokens_per_s: float  # training from the dump (tokens in the loss windows, padding excluded)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """The --prompts a run may answer, as `plan_conversations` draws them and a regeneration runs them: `lengths`
+    (chat-prompt tokens) in the order they are drawn, answered in `share` of the conversations, sorted by length
+    into batches of `batch_size`, each padded to its longest; a prompt longer than `longest` is dropped unanswered."""
+
+    lengths: list[int]
+    share: float
+    batch_size: int
+    longest: int
+
+    def asked(self, conversations: int) -> int:
+        return min(round(self.share * conversations), len(self.lengths))
+
+    def batches(self, asked: int) -> list[list[int]]:
+        """The lengths of the prompts answered in each batch of a regeneration of the first `asked`, ascending."""
+        ordered = sorted(self.lengths[:asked])
+        batches = [ordered[i : i + self.batch_size] for i in range(0, len(ordered), self.batch_size)]
+        return [fitting for batch in batches if (fitting := [n for n in batch if n <= self.longest])]
+
+
+NO_PROMPTS = Prompts(lengths=[], share=0.0, batch_size=1, longest=0)
+
+
+def by_the_target(rates: Rates, prompts: Prompts, conversations: int) -> tuple[float, float]:
+    """Seconds and training tokens of `conversations` by the target: answers to `prompts`, each batch charged by
+    its padded length (a batch of long prompts costs several of typical ones), and invented ones for the rest."""
+    asked = prompts.asked(conversations)
+    seconds = (conversations - asked) * rates.invented_s
+    tokens = (conversations - asked) * rates.invented_tokens
+    for batch in prompts.batches(asked):
+        seconds += rates.answer_batch_s + rates.answer_prompt_token_s * len(batch) * batch[-1]
+        tokens += sum(batch) + len(batch) * rates.answer_reply_tokens
+    return seconds, tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +114,7 @@ class Plan:
     text_conversations: int  # of --text, drawn at random
     tokens: int
     predicted_s: dict[str, float]  # per stage, the probe and loading included ("so far")
+    training_passes: float | None = None  # set when training starts (`fitted_passes`), kept for a rerun
 
     @property
     def predicted_total_s(self) -> float:
@@ -89,12 +130,19 @@ class Plan:
 
 
 def predicted_seconds(
-    rates: Rates, conversations: int, text_tokens: int, epochs: float, closing_tokens: int, so_far: float
+    rates: Rates,
+    prompts: Prompts,
+    conversations: int,
+    text_tokens: int,
+    epochs: float,
+    closing_tokens: int,
+    so_far: float,
 ) -> dict[str, float]:
-    tokens = conversations * rates.tokens_per_conversation + text_tokens
+    seconds, tokens = by_the_target(rates, prompts, conversations)
+    tokens += text_tokens
     return {
         "so far": so_far,
-        "the target's conversations": conversations * rates.seconds_per_conversation,
+        "the target's conversations": seconds,
         "features": tokens / rates.dump_tokens_per_s,
         "training": epochs * tokens / rates.train_tokens_per_s,
         # plain decoding for each of its runs; a drafted run takes about as long as a plain one or less
@@ -110,11 +158,13 @@ def plan_sizes(
     closing_tokens: int,
     so_far: float,
     max_tokens: float = math.inf,
+    prompts: Prompts = NO_PROMPTS,
 ) -> Plan:
     """The most conversations (and text in the recipe's proportion, all of it at most) whose predicted total
     fits MARGIN of the budget and whose tokens `max_tokens` (the dump's room on disk). `text_lengths`: the tokens
     of each --text conversation in the order they are drawn; `request["generate"]` False: text only
-    (--conversations 0). A budget too small for one conversation is refused."""
+    (--conversations 0); `prompts`: those the target answers in its share of the conversations. A budget too
+    small for one conversation is refused."""
     cumulative = [0]
     for length in text_lengths:
         cumulative.append(cumulative[-1] + length)
@@ -125,11 +175,16 @@ def plan_sizes(
             return 0, min(n, len(text_lengths))
         return n, min(round(n * TEXT_PER_CONVERSATION), len(text_lengths))
 
-    def total(n: int) -> float:
+    def predicted(n: int) -> dict[str, float]:
         conversations, texts = sizes(n)
-        if conversations * rates.tokens_per_conversation + cumulative[texts] > max_tokens:
-            return math.inf
-        return sum(predicted_seconds(rates, conversations, cumulative[texts], epochs, closing_tokens, so_far).values())
+        return predicted_seconds(rates, prompts, conversations, cumulative[texts], epochs, closing_tokens, so_far)
+
+    def tokens(n: int) -> int:
+        conversations, texts = sizes(n)
+        return round(by_the_target(rates, prompts, conversations)[1]) + cumulative[texts]
+
+    def total(n: int) -> float:
+        return sum(predicted(n).values()) if tokens(n) <= max_tokens else math.inf
 
     limit = MARGIN * budget_s
     if total(1) > limit:
@@ -146,10 +201,15 @@ def plan_sizes(
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if total(middle) <= limit else (low, middle)
-    conversations, texts = sizes(low)
-    predicted = predicted_seconds(rates, conversations, cumulative[texts], epochs, closing_tokens, so_far)
-    tokens = round(conversations * rates.tokens_per_conversation) + cumulative[texts]
-    return Plan(budget_s, request, rates, conversations, texts, tokens, predicted)
+    return Plan(budget_s, request, rates, *sizes(low), tokens(low), predicted(low))
+
+
+def fitted_passes(plan: Plan, spent_s: float, tokens: int) -> float:
+    """The passes over `tokens` (the dump's) that training can make once `spent_s` have gone, so that the run still
+    ends within MARGIN of the budget after the closing measurement: the plan's passes, fewer when the stages before
+    ran slower than predicted (the machine's speed drifts by 10-20% over an hour here), and never less than one."""
+    left = MARGIN * plan.budget_s - spent_s - plan.predicted_s["closing measurement"]
+    return round(min(plan.request["epochs"], max(1.0, left * plan.rates.train_tokens_per_s / tokens)), 2)
 
 
 def against_plan(plan: Plan, spent: dict[str, float]) -> str:
@@ -194,28 +254,23 @@ def synthesized_per_batch(conversations: list[Conversation], seed: int, path: Pa
     return (last + 1) * kept_per_batch
 
 
-def typical_batch(
-    tokenizer, prompts: list[Conversation], batch_size: int, longest: int
-) -> tuple[list[Conversation], float]:
-    """The `batch_size` of `prompts` that make a batch of average cost, and the share of `prompts` that fit: a
-    regeneration drops a prompt longer than `longest` tokens unanswered, and batches the rest sorted by length,
-    each batch padded to its longest, so a batch drawn at random (padded to its one long prompt) would overstate
-    the cost. The batch is the run of neighbours in that order whose mean length is nearest the mean of those
-    that fit."""
-    from wingspan.data.template import chat_prompt
-
-    lengths = {c.id: len(chat_prompt(tokenizer, c.as_dicts())) for c in prompts}
-    fitting = sorted((c for c in prompts if lengths[c.id] <= longest), key=lambda c: lengths[c.id])
-    fits = len(fitting) / len(prompts) if prompts else 0.0
-    if len(fitting) <= batch_size:
-        return fitting, fits
-    mean = sum(lengths[c.id] for c in fitting) / len(fitting)
+def probe_batches(prompts: Prompts) -> tuple[list[int], list[int]]:
+    """The indices of two batches of `prompts` whose times give a regeneration's cost line: one of typical length
+    and the longest (the same batch when all fit in one). A regeneration batches the prompts sorted by length, each
+    padded to its longest, so a batch drawn at random (padded to its one long prompt) is neither. The typical batch
+    is the run of neighbours in that order whose mean length is nearest the mean of those short enough to answer;
+    none when no prompt is."""
+    lengths, size = prompts.lengths, prompts.batch_size
+    fitting = sorted((i for i, n in enumerate(lengths) if n <= prompts.longest), key=lambda i: lengths[i])
+    if len(fitting) <= size:
+        return fitting, fitting
+    mean = sum(lengths[i] for i in fitting) / len(fitting)
 
     def distance(start: int) -> float:
-        return abs(sum(lengths[c.id] for c in fitting[start : start + batch_size]) / batch_size - mean)
+        return abs(sum(lengths[i] for i in fitting[start : start + size]) / size - mean)
 
-    start = min(range(len(fitting) - batch_size + 1), key=distance)
-    return fitting[start : start + batch_size], fits
+    start = min(range(len(fitting) - size + 1), key=distance)
+    return fitting[start : start + size], fitting[-size:]
 
 
 def measure_rates(
@@ -224,13 +279,13 @@ def measure_rates(
     probe_dir: Path,
     synth: dict,
     prompts: list[Conversation],
-    answered_share: float,
+    asked: Prompts,
     text: list[Conversation],
     text_lengths: list[int],
 ) -> Rates:
-    """Time each stage on `target` in `probe_dir` (removed after): one batch of `synth` settings of each kind of
-    conversation the run will have (answers to a `typical_batch` of `prompts`, all the run may draw, for
-    `answered_share` of the conversations; invented ones for the rest), plain decoding at batch 1, then about
+    """Time each stage on `target` in `probe_dir` (removed after): the target's answers to the two `probe_batches`
+    of `prompts` (all the run may draw, `asked` their lengths and share) when the run answers any, one batch of
+    `synth` settings of invented conversations when it invents any, plain decoding at batch 1, then about
     PROBE_TOKENS of those conversations and of `text` (`text_lengths` tokens each) dumped and trained on for
     PROBE_STEPS steps with `config`'s recipe."""
     from wingspan.data.conversations import read_conversations, write_conversations_jsonl
@@ -247,32 +302,40 @@ def measure_rates(
     shutil.rmtree(probe_dir, ignore_errors=True)
     probe_dir.mkdir(parents=True)
     try:
-        # per kind: its share of the conversations, and seconds and tokens per conversation asked for
-        kinds: list[tuple[float, float, float]] = []
         data, written, generated_tokens = [], [], 0
-        longest = config.max_length - synth["max_new_tokens"]
-        batch, fits = typical_batch(target.tokenizer, prompts, synth["batch_size"], longest)
-        if answered_share and batch:
-            path = probe_dir / "replies.jsonl"
-            started = time.perf_counter()
-            regenerate(
-                target,
-                batch,
-                path,
-                max_new_tokens=synth["max_new_tokens"],
-                batch_size=synth["batch_size"],
-                max_length=config.max_length,
-                seed=config.seed,
-            )
-            elapsed = time.perf_counter() - started
-            replies, _ = read_conversations(path, require_assistant=True)
-            tokens = tokens_in(replies)
-            # a prompt too long to answer costs nothing and adds nothing, but counts as asked for
-            kinds.append((answered_share, fits * elapsed / len(batch), fits * tokens / len(batch)))
-            data.append(str(path))
-            written += replies
-            generated_tokens += tokens
-        if answered_share < 1:
+        answer_batch_s = answer_prompt_token_s = answer_reply_tokens = invented_s = invented_tokens = 0.0
+        typical, longest = probe_batches(asked) if asked.share else ([], [])
+        if typical:
+            batch_times = []  # (padded prompt tokens, seconds) of each batch
+            reply_tokens = answers = 0
+            batches = {"typical": typical} | ({"longest": longest} if longest != typical else {})
+            for name, batch in batches.items():
+                path = probe_dir / f"replies-{name}.jsonl"
+                started = time.perf_counter()
+                regenerate(
+                    target,
+                    [prompts[i] for i in batch],
+                    path,
+                    max_new_tokens=synth["max_new_tokens"],
+                    batch_size=asked.batch_size,
+                    max_length=config.max_length,
+                    seed=config.seed,
+                )
+                batch_times.append((len(batch) * max(asked.lengths[i] for i in batch), time.perf_counter() - started))
+                replies, _ = read_conversations(path, require_assistant=True)
+                tokens = tokens_in(replies)
+                reply_tokens += tokens - sum(asked.lengths[i] for i in batch)
+                answers += len(replies)
+                if name == "typical":  # the long batch only times: its many tokens would lengthen the dump's probe
+                    data.append(str(path))
+                    written += replies
+                    generated_tokens += tokens
+            (short_tokens, short_s), (long_tokens, long_s) = batch_times[0], batch_times[-1]
+            if long_tokens > short_tokens:
+                answer_prompt_token_s = max(0.0, (long_s - short_s) / (long_tokens - short_tokens))
+            answer_batch_s = max(0.0, short_s - answer_prompt_token_s * short_tokens)
+            answer_reply_tokens = reply_tokens / answers
+        if asked.share < 1:
             path = probe_dir / "synth.jsonl"
             started = time.perf_counter()
             synthesize(
@@ -285,24 +348,22 @@ def measure_rates(
             )
             elapsed = time.perf_counter() - started
             invented, _ = read_conversations(path, require_assistant=True)
-            made = synthesized_per_batch(invented, config.seed, path)
             tokens = tokens_in(invented)
-            kinds.append((1 - answered_share, elapsed / made, tokens / len(invented)))
+            invented_s = elapsed / synthesized_per_batch(invented, config.seed, path)
+            invented_tokens = tokens / len(invented)
             data.append(str(path))
             written += invented
             generated_tokens += tokens
         if not written:
             raise ConfigError(
-                f"--prompts: no prompt is short enough to answer (at most {longest} tokens, for max_length "
+                f"--prompts: no prompt is short enough to answer (at most {asked.longest} tokens, for max_length "
                 f"{config.max_length} with a {synth['max_new_tokens']}-token reply)"
             )
-        per_conversation = sum(share * seconds for share, seconds, _ in kinds)
-        tokens_per_conversation = sum(share * tokens for share, _, tokens in kinds)
 
         first_user = next(m.content for m in written[0].messages if m.role == "user")
         started = time.perf_counter()
-        asked = chat_prompt(target.tokenizer, [{"role": "user", "content": first_user}])
-        decoded = target.generate([asked], PROBE_DECODE_TOKENS)
+        question = chat_prompt(target.tokenizer, [{"role": "user", "content": first_user}])
+        decoded = target.generate([question], PROBE_DECODE_TOKENS)
         decode_rate = max(1, len(decoded[0].tokens)) / (time.perf_counter() - started)
 
         sample, tokens = [], generated_tokens
@@ -335,8 +396,11 @@ def measure_rates(
     finally:
         shutil.rmtree(probe_dir, ignore_errors=True)
     return Rates(
-        seconds_per_conversation=per_conversation,
-        tokens_per_conversation=tokens_per_conversation,
+        invented_s=invented_s,
+        invented_tokens=invented_tokens,
+        answer_batch_s=answer_batch_s,
+        answer_prompt_token_s=answer_prompt_token_s,
+        answer_reply_tokens=answer_reply_tokens,
         decode_tokens_per_s=decode_rate,
         dump_tokens_per_s=dump_rate,
         train_tokens_per_s=train_rate,

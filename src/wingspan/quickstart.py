@@ -167,8 +167,10 @@ def run_quickstart(
     lap("the target's conversations")
 
     print(f"[3/5] the target's features -> {dump_dir}, then the draft vocab and training")
-    run_dump(config, dump_dir, resume=True, target=target)
+    manifest = run_dump(config, dump_dir, resume=True, target=target)
     lap("features")
+    if plan is not None:
+        config = fit_training_to_budget(plan, config, out, time.perf_counter() - started, manifest.num_tokens)
     draft_dir = run_training(config, resume="if-any", target=target)
     lap("training")
 
@@ -257,9 +259,9 @@ def measured_plan(
 ) -> Plan:
     """How many conversations the target writes and how many of --text are drawn so that the whole job fits
     `budget_s` on this machine, from the probe's rates (wingspan/budget.py); written to out/budget.json."""
-    from wingspan.budget import measure_rates, plan_sizes, save_plan
+    from wingspan.budget import Prompts, measure_rates, plan_sizes, save_plan
     from wingspan.data.hidden_states import bytes_per_token
-    from wingspan.data.template import tokenize_conversations
+    from wingspan.data.template import chat_prompt, tokenize_conversations
 
     pool = text_sample(tuple(request["text"]), None, config.seed, held_out)
     lengths = []
@@ -269,17 +271,43 @@ def measured_plan(
         )
         lengths.append(len(tokenized[0].input_ids) if tokenized else 0)
     prompts = prompt_sample(tuple(request["prompts"]), None, config.seed, held_out) if request["prompts"] else []
-    answered_share = (1.0 if request["prompt_share"] is None else request["prompt_share"]) if prompts else 0.0
+    asked = Prompts(
+        lengths=[len(chat_prompt(target.tokenizer, c.as_dicts())) for c in prompts],
+        share=(1.0 if request["prompt_share"] is None else request["prompt_share"]) if prompts else 0.0,
+        batch_size=SYNTH["batch_size"],
+        longest=config.max_length - SYNTH["max_new_tokens"],
+    )
     print(f"[0/5] measuring this machine for the budget: one batch of each stage, in {out / 'probe'} (removed after)")
-    rates = measure_rates(target, config, out / "probe", SYNTH, prompts, answered_share, pool, lengths)
+    rates = measure_rates(target, config, out / "probe", SYNTH, prompts, asked, pool, lengths)
     closing_tokens = CHECK["limit"] * CHECK["max_new_tokens"] * (1 + len(CHECK["chain_lengths"]))
     # The dump is the run's only large file: its tokens stop where the disk would fill.
     free = shutil.disk_usage(out).free
     room = 0.9 * free / bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
     so_far = time.perf_counter() - started
-    plan = plan_sizes(budget_s, request, rates, lengths, closing_tokens, so_far, max_tokens=room)
+    plan = plan_sizes(budget_s, request, rates, lengths, closing_tokens, so_far, max_tokens=room, prompts=asked)
     save_plan(plan, out)
     return plan
+
+
+def fit_training_to_budget(plan: Plan, config: TrainConfig, out: Path, spent_s: float, tokens: int) -> TrainConfig:
+    """`config` with the passes that still fit the budget once `spent_s` have gone (`fitted_passes`), chosen when
+    training first starts and kept in the plan, so that a rerun resumes the same training; said when they are
+    fewer than the plan's."""
+    from wingspan.budget import fitted_passes, save_plan
+
+    passes = plan.training_passes
+    if passes is None:
+        passes = fitted_passes(plan, spent_s, tokens)
+        save_plan(dataclasses.replace(plan, training_passes=passes), out)
+        before = sum(plan.predicted_s[stage] for stage in ("so far", "the target's conversations", "features"))
+        why = f"the stages before it took {(spent_s - before) / 60:.1f} min more than predicted"
+    else:
+        why = "as fitted to the budget when training first started"
+    if passes < config.epochs:
+        print(f"[3/5] training makes {passes:g} passes in place of {config.epochs:g}: {why}")
+    config = dataclasses.replace(config, epochs=passes)
+    save_json(config, out / "train_config.json")
+    return config
 
 
 def held_out_keys(exclude: tuple[str, ...], drawn_from: tuple[str, ...]) -> frozenset[str]:
