@@ -14,6 +14,7 @@ import random
 import shutil
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,7 +124,7 @@ def run_quickstart(
     dump_dir = out / "dump"
     config = dataclasses.replace(config, data=data, from_dump=str(dump_dir))
     out.mkdir(parents=True, exist_ok=True)
-    if written:  # first: a rerun that drew other text is refused before anything of the earlier run is replaced
+    if written and plan is None:  # first: a rerun that drew other text is refused before anything is replaced
         keep_text(written, text_path)
     if invented and synth_path.exists():  # synthesize() extends a file, and keeps one that holds more
         earlier = len(read_finished(synth_path))
@@ -161,6 +162,11 @@ def run_quickstart(
             seed=config.seed,
             resume=True,
         )
+    if written and plan is not None:  # a budget's text is drawn once the time the target's conversations took is known
+        made = [c for path in (replies_path, synth_path) if path.exists() for c in read_finished(path)]
+        pool = text_sample(text, None, config.seed, held_out)
+        plan, written = fit_text_to_budget(plan, config, target, out, pool, made, time.perf_counter() - started)
+        keep_text(written, text_path)
     if written:
         print(f"[2/5] {len(written)} conversations written by others, from {', '.join(text)}: {text_path}")
 
@@ -260,16 +266,10 @@ def measured_plan(
     """How many conversations the target writes and how many of --text are drawn so that the whole job fits
     `budget_s` on this machine, from the probe's rates (wingspan/budget.py); written to out/budget.json."""
     from wingspan.budget import Prompts, measure_rates, plan_sizes, save_plan
-    from wingspan.data.hidden_states import bytes_per_token
-    from wingspan.data.template import chat_prompt, tokenize_conversations
+    from wingspan.data.template import chat_prompt
 
     pool = text_sample(tuple(request["text"]), None, config.seed, held_out)
-    lengths = []
-    for conversation in pool:  # one by one: a conversation the template cannot take counts 0 tokens
-        tokenized, _ = tokenize_conversations(
-            target.tokenizer, [conversation], config.max_length, config.learn_reasoning, config.learn_prompts
-        )
-        lengths.append(len(tokenized[0].input_ids) if tokenized else 0)
+    lengths = list(training_tokens(target, config, pool))
     prompts = prompt_sample(tuple(request["prompts"]), None, config.seed, held_out) if request["prompts"] else []
     asked = Prompts(
         lengths=[len(chat_prompt(target.tokenizer, c.as_dicts())) for c in prompts],
@@ -280,13 +280,62 @@ def measured_plan(
     print(f"[0/5] measuring this machine for the budget: one batch of each stage, in {out / 'probe'} (removed after)")
     rates = measure_rates(target, config, out / "probe", SYNTH, prompts, asked, pool, lengths)
     closing_tokens = CHECK["limit"] * CHECK["max_new_tokens"] * (1 + len(CHECK["chain_lengths"]))
-    # The dump is the run's only large file: its tokens stop where the disk would fill.
-    free = shutil.disk_usage(out).free
-    room = 0.9 * free / bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
     so_far = time.perf_counter() - started
+    room = dump_room(target, out)
     plan = plan_sizes(budget_s, request, rates, lengths, closing_tokens, so_far, max_tokens=room, prompts=asked)
     save_plan(plan, out)
     return plan
+
+
+def training_tokens(target: TargetModel, config: TrainConfig, conversations: list[Conversation]) -> Iterator[int]:
+    """The tokens of each conversation as training reads it; one by one, so that one the template cannot take
+    counts 0."""
+    from wingspan.data.template import tokenize_conversations
+
+    for conversation in conversations:
+        tokenized, _ = tokenize_conversations(
+            target.tokenizer, [conversation], config.max_length, config.learn_reasoning, config.learn_prompts
+        )
+        yield len(tokenized[0].input_ids) if tokenized else 0
+
+
+def dump_room(target: TargetModel, out: Path) -> float:
+    """The tokens whose features fit on the disk under `out`: the dump is the run's only large file, and stops
+    where 90% of the free space would fill."""
+    from wingspan.data.hidden_states import bytes_per_token
+
+    return 0.9 * shutil.disk_usage(out).free / bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
+
+
+def fit_text_to_budget(
+    plan: Plan,
+    config: TrainConfig,
+    target: TargetModel,
+    out: Path,
+    pool: list[Conversation],
+    made: list[Conversation],
+    spent_s: float,
+) -> tuple[Plan, list[Conversation]]:
+    """The plan and the --text to train on (the first of the seeded draw `pool`) once the target's conversations
+    (`made`) are written and `spent_s` have gone: the plan's text, and more when those took less time than
+    predicted (`fitted_text`), chosen once and kept in the plan, so that a rerun draws the same; said when more."""
+    from wingspan.budget import fitted_text, save_plan
+
+    count = plan.fitted_text_conversations
+    if count is None:
+        planned = plan.text_conversations
+        tokens = sum(training_tokens(target, config, made + pool[:planned]))
+        more = training_tokens(target, config, pool[planned:])
+        count = planned + fitted_text(plan, spent_s, tokens, more, dump_room(target, out))
+        plan = dataclasses.replace(plan, fitted_text_conversations=count)
+        save_plan(plan, out)
+        if count > planned:
+            predicted = plan.predicted_s["so far"] + plan.predicted_s["the target's conversations"]
+            print(
+                f"[2/5] {count} conversations of --text in place of {planned}: the target's took "
+                f"{(predicted - spent_s) / 60:.1f} min less than predicted"
+            )
+    return plan, pool[:count]
 
 
 def fit_training_to_budget(plan: Plan, config: TrainConfig, out: Path, spent_s: float, tokens: int) -> TrainConfig:
