@@ -17,11 +17,10 @@ import json
 import re
 from pathlib import Path
 
-from wingspan.budget import Prompts, Rates, probe_batches
+from wingspan.budget import Rates, answers_s, probe_batches
 from wingspan.config import TrainConfig
-from wingspan.data.template import chat_prompt
 from wingspan.models.target import TargetVocabulary
-from wingspan.quickstart import QUICKSTART_RECIPE, SYNTH, held_out_keys, plan_conversations, prompt_sample
+from wingspan.quickstart import QUICKSTART_RECIPE, answered_prompts, held_out_keys, plan_conversations, prompt_sample
 
 
 def batch_times(log: str, asked: int) -> list[int]:
@@ -53,27 +52,21 @@ def main() -> None:
         prompts, request["prompt_share"], plan["conversations"], config.seed, held_out
     )
 
-    def asked(conversations) -> Prompts:
-        lengths = [len(chat_prompt(tokenizer, c.as_dicts())) for c in conversations]
-        return Prompts(lengths, 1.0, SYNTH["batch_size"], config.max_length - SYNTH["max_new_tokens"])
-
-    batches = asked(sample).batches(len(sample))
+    batches = answered_prompts(tokenizer, sample, 1.0, config).batches(len(sample))
     took = batch_times(args.log.read_text(), len(sample))
     print(f"{len(sample)} prompts asked, {sum(map(len, batches))} answerable; {invented} conversations invented")
     predicted = 0.0
     for number, batch in enumerate(batches):
-        seconds = rates.answer_batch_s + rates.answer_prompt_token_s * len(batch) * batch[-1]
+        seconds = answers_s(rates, len(batch), batch[-1])
         predicted += seconds
         spent = f"{took[number]} s" if number < len(took) else "?"
         print(f"batch {number}: {len(batch)} rows padded to {batch[-1]}: predicted {seconds:.0f} s, took {spent}")
     print(f"all answers: predicted {predicted:.0f} s, took {sum(took)} s")
 
-    everything = asked(prompt_sample(prompts, None, config.seed, held_out))
+    everything = answered_prompts(tokenizer, prompt_sample(prompts, None, config.seed, held_out), 1.0, config)
     typical, _ = probe_batches(everything)
     fits = sum(n <= everything.longest for n in everything.lengths) / len(everything.lengths)
-    typical_s = rates.answer_batch_s + rates.answer_prompt_token_s * len(typical) * max(
-        everything.lengths[i] for i in typical
-    )
+    typical_s = answers_s(rates, len(typical), max(everything.lengths[i] for i in typical))
     print(
         f"the typical batch's time for every answer ({fits:.3f} of the prompts short enough): "
         f"{len(sample) * fits * typical_s / len(typical):.0f} s"

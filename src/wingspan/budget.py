@@ -96,6 +96,11 @@ class Prompts:
 NO_PROMPTS = Prompts(lengths=[], share=0.0, batch_size=1, longest=0)
 
 
+def answers_s(rates: Rates, rows: int, padded: int) -> float:
+    """Seconds of one regeneration batch of `rows` prompts, each padded to `padded` tokens."""
+    return rates.answer_batch_s + rates.answer_prompt_token_s * rows * padded
+
+
 def by_the_target(rates: Rates, prompts: Prompts, conversations: int) -> tuple[float, float]:
     """Seconds and training tokens of `conversations` by the target: answers to `prompts`, each batch charged by
     its padded length (a batch of long prompts costs several of typical ones), and invented ones for the rest."""
@@ -103,7 +108,7 @@ def by_the_target(rates: Rates, prompts: Prompts, conversations: int) -> tuple[f
     seconds = (conversations - asked) * rates.invented_s
     tokens = (conversations - asked) * rates.invented_tokens
     for batch in prompts.batches(asked):
-        seconds += rates.answer_batch_s + rates.answer_prompt_token_s * len(batch) * batch[-1]
+        seconds += answers_s(rates, len(batch), batch[-1])
         tokens += sum(batch) + len(batch) * rates.answer_reply_tokens
     return seconds, tokens
 
@@ -119,6 +124,16 @@ class Plan:
     predicted_s: dict[str, float]  # per stage, the probe and loading included ("so far")
     fitted_text_conversations: int | None = None  # set when the target's are written (`fitted_text`), kept
     training_passes: float | None = None  # set when training starts (`fitted_passes`), kept for a rerun
+
+    def seconds_left(self, spent_s: float) -> float:
+        """What is left for features and training once `spent_s` have gone, so that the run ends within MARGIN of
+        the budget after the closing measurement."""
+        return MARGIN * self.budget_s - spent_s - self.predicted_s["closing measurement"]
+
+    def predicted_through(self, stage: str) -> float:
+        """Seconds predicted from the start to the end of `stage`."""
+        names = list(self.predicted_s)
+        return sum(self.predicted_s[name] for name in names[: names.index(stage) + 1])
 
     @property
     def predicted_total_s(self) -> float:
@@ -214,7 +229,7 @@ def fitted_text(plan: Plan, spent_s: float, tokens: int, more: Iterable[int], ma
     next conversation of the draw, `max_tokens` the dump's room on disk. The time the target's conversations took
     less than predicted goes to text, which costs no generation (more tokens paid at every size measured, passes
     beyond the plan's did not); none is taken back when they ran late: training's passes absorb that."""
-    left = MARGIN * plan.budget_s - spent_s - plan.predicted_s["closing measurement"]
+    left = plan.seconds_left(spent_s)
     per_token = 1 / plan.rates.dump_tokens_per_s + plan.request["epochs"] / plan.rates.train_tokens_per_s
     room, added = min(left / per_token, max_tokens) - tokens, 0
     for length in more:
@@ -228,7 +243,7 @@ def fitted_passes(plan: Plan, spent_s: float, tokens: int) -> float:
     """The passes over `tokens` (the dump's) that training can make once `spent_s` have gone, so that the run still
     ends within MARGIN of the budget after the closing measurement: the plan's passes, fewer when the stages before
     ran slower than predicted (the machine's speed drifts by 10-20% over an hour here), and never less than one."""
-    left = MARGIN * plan.budget_s - spent_s - plan.predicted_s["closing measurement"]
+    left = plan.seconds_left(spent_s)
     return round(min(plan.request["epochs"], max(1.0, left * plan.rates.train_tokens_per_s / tokens)), 2)
 
 

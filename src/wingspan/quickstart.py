@@ -22,7 +22,7 @@ from wingspan.config import TrainConfig, save_json
 from wingspan.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from wingspan.budget import Plan
+    from wingspan.budget import Plan, Prompts
     from wingspan.data.conversations import Conversation
     from wingspan.eval.runner import SetResult
     from wingspan.models.target import TargetModel
@@ -265,18 +265,13 @@ def measured_plan(
 ) -> Plan:
     """How many conversations the target writes and how many of --text are drawn so that the whole job fits
     `budget_s` on this machine, from the probe's rates (wingspan/budget.py); written to out/budget.json."""
-    from wingspan.budget import Prompts, measure_rates, plan_sizes, save_plan
-    from wingspan.data.template import chat_prompt
+    from wingspan.budget import measure_rates, plan_sizes, save_plan
 
     pool = text_sample(tuple(request["text"]), None, config.seed, held_out)
     lengths = list(training_tokens(target, config, pool))
     prompts = prompt_sample(tuple(request["prompts"]), None, config.seed, held_out) if request["prompts"] else []
-    asked = Prompts(
-        lengths=[len(chat_prompt(target.tokenizer, c.as_dicts())) for c in prompts],
-        share=(1.0 if request["prompt_share"] is None else request["prompt_share"]) if prompts else 0.0,
-        batch_size=SYNTH["batch_size"],
-        longest=config.max_length - SYNTH["max_new_tokens"],
-    )
+    share = (1.0 if request["prompt_share"] is None else request["prompt_share"]) if prompts else 0.0
+    asked = answered_prompts(target.tokenizer, prompts, share, config)
     print(f"[0/5] measuring this machine for the budget: one batch of each stage, in {out / 'probe'} (removed after)")
     rates = measure_rates(target, config, out / "probe", SYNTH, prompts, asked, pool, lengths)
     closing_tokens = CHECK["limit"] * CHECK["max_new_tokens"] * (1 + len(CHECK["chain_lengths"]))
@@ -285,6 +280,20 @@ def measured_plan(
     plan = plan_sizes(budget_s, request, rates, lengths, closing_tokens, so_far, max_tokens=room, prompts=asked)
     save_plan(plan, out)
     return plan
+
+
+def answered_prompts(tokenizer, prompts: list[Conversation], share: float, config: TrainConfig) -> Prompts:
+    """`prompts` as the quickstart's regeneration answers them in `share` of its conversations: their chat-prompt
+    lengths, SYNTH's batches, and the longest prompt that leaves room for a whole reply within max_length."""
+    from wingspan.budget import Prompts
+    from wingspan.data.template import chat_prompt
+
+    return Prompts(
+        lengths=[len(chat_prompt(tokenizer, c.as_dicts())) for c in prompts],
+        share=share,
+        batch_size=SYNTH["batch_size"],
+        longest=config.max_length - SYNTH["max_new_tokens"],
+    )
 
 
 def training_tokens(target: TargetModel, config: TrainConfig, conversations: list[Conversation]) -> Iterator[int]:
@@ -330,10 +339,10 @@ def fit_text_to_budget(
         plan = dataclasses.replace(plan, fitted_text_conversations=count)
         save_plan(plan, out)
         if count > planned:
-            predicted = plan.predicted_s["so far"] + plan.predicted_s["the target's conversations"]
+            early = plan.predicted_through("the target's conversations") - spent_s
             print(
                 f"[2/5] {count} conversations of --text in place of {planned}: the target's took "
-                f"{(predicted - spent_s) / 60:.1f} min less than predicted"
+                f"{early / 60:.1f} min less than predicted"
             )
     return plan, pool[:count]
 
@@ -348,8 +357,8 @@ def fit_training_to_budget(plan: Plan, config: TrainConfig, out: Path, spent_s: 
     if passes is None:
         passes = fitted_passes(plan, spent_s, tokens)
         save_plan(dataclasses.replace(plan, training_passes=passes), out)
-        before = sum(plan.predicted_s[stage] for stage in ("so far", "the target's conversations", "features"))
-        why = f"the stages before it took {(spent_s - before) / 60:.1f} min more than predicted"
+        late = spent_s - plan.predicted_through("features")
+        why = f"the stages before it took {late / 60:.1f} min more than predicted"
     else:
         why = "as fitted to the budget when training first started"
     if passes < config.epochs:
