@@ -109,10 +109,31 @@ def breakdown(stats: dict) -> dict:
     }
 
 
+def choose_in_draft_vocab() -> None:
+    """vLLM 0.32 chooses a greedy EAGLE-3 draft token by scattering the draft's logits into a row of the
+    target's whole vocabulary and taking its argmax; the argmax of the draft's own logits, mapped through d2t
+    (`draft_id_to_target_id`, an offset), is the same token without that row."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    vllms_choice = SpecDecodeBaseProposer._greedy_sample
+
+    def greedy_sample(self, hidden_states):
+        offsets = getattr(self.model, "draft_id_to_target_id", None)
+        if offsets is None or self.use_local_argmax_reduction or self.use_heterogeneous_vocab:
+            return vllms_choice(self, hidden_states)
+        draft_ids = self.model.logits_processor(self.model.lm_head, hidden_states).argmax(dim=-1)
+        return draft_ids + offsets[draft_ids]
+
+    SpecDecodeBaseProposer._greedy_sample = greedy_sample
+
+
 def worker(args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if args.choose_in_draft_vocab:
+        choose_in_draft_vocab()
 
     proposer = proposers.parse_proposer(args.proposer[args.worker])
     llm = LLM(
@@ -134,14 +155,14 @@ def worker(args: argparse.Namespace) -> None:
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     profile = cProfile.Profile()
-    tokens = 0
+    token_ids = []
     for prompt in prompts:
         profile.enable()
         output = llm.generate([prompt], params, use_tqdm=False)[0]
         profile.disable()
-        tokens += len(output.outputs[0].token_ids)
+        token_ids.append(list(output.outputs[0].token_ids))
     result = breakdown(pstats.Stats(profile).stats)
-    result.update(proposer=proposer["name"], output_tokens=tokens)
+    result.update(proposer=proposer["name"], output_tokens=sum(map(len, token_ids)), token_ids=token_ids)
     Path(args.worker_out).write_text(json.dumps(result))
 
 
@@ -156,6 +177,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--prompt-lookup", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
     parser.add_argument("--eager", action="store_true", help="vLLM's eager mode (default: compiled)")
+    parser.add_argument(
+        "--choose-in-draft-vocab",
+        action="store_true",
+        help="patch vLLM (in these processes) to choose a greedy EAGLE-3 draft token by the argmax of the draft's "
+        "own logits mapped through d2t (the same token), to measure what that change would save",
+    )
     parser.add_argument("--out", help="the figures as JSON")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
