@@ -82,10 +82,22 @@ def counters(llm) -> dict:
     return {name: values.get(name, 0) for name in COUNTERS} | {PER_POSITION: values.get(PER_POSITION, [])}
 
 
+def chat_prompts(tokenizer, path: Path, limit: int | None) -> list:
+    """The first `limit` prompts of `path` as vLLM token prompts, each a user turn in the target's chat template."""
+    from vllm.inputs import TokensPrompt
+
+    prompts = []
+    for text in referee.read_prompts(path, limit):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(TokensPrompt(prompt_token_ids=tokenizer(rendered, add_special_tokens=False).input_ids))
+    return prompts
+
+
 def worker(args: argparse.Namespace) -> None:
     """One proposer, one engine: each set generated and timed on its own."""
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     proposer = parse_proposer(args.proposer[args.worker])
     llm = LLM(
@@ -100,15 +112,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    prompt_sets = {}
-    for name, path in args.set:
-        prompts = []
-        for text in referee.read_prompts(Path(path), args.limit):
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-            prompts.append(TokensPrompt(prompt_token_ids=tokenizer(rendered, add_special_tokens=False).input_ids))
-        prompt_sets[name] = prompts
+    prompt_sets = {name: chat_prompts(tokenizer, Path(path), args.limit) for name, path in args.set}
     # untimed: unless --eager, the first forwards of the target and the draft compile them
     llm.generate(prompt_sets[args.set[0][0]][:1], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     results = {}
@@ -135,10 +139,11 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.worker_out).write_text(json.dumps({"proposer": proposer, "sets": results}))
 
 
-def run_one(index: int, argv: list[str]) -> dict:
+def run_one(index: int, argv: list[str], script: str = __file__) -> dict:
+    """`script`'s worker for the index-th proposer in a process of its own (an engine each); what it wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        subprocess.run([sys.executable, __file__, *argv, "--worker", str(index), "--worker-out", str(out)], check=True)
+        subprocess.run([sys.executable, script, *argv, "--worker", str(index), "--worker-out", str(out)], check=True)
         return json.loads(out.read_text())
 
 

@@ -26,9 +26,7 @@ import importlib.util
 import json
 import os
 import pstats
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 PROPOSERS_PATH = Path(__file__).resolve().parent / "vllm_proposers.py"
@@ -45,15 +43,6 @@ PROPOSE_ALL = ("v1/worker/gpu_model_runner.py", "propose_draft_token_ids")
 EAGLE_PROPOSE = ("v1/spec_decode/llm_base_proposer.py", "propose")
 DRAFT_CHOICE = "_sample_draft_tokens"
 MODULE_CALL = "_wrapped_call_impl"  # torch.nn.Module.__call__
-PARTS = (
-    "target forward",
-    "target logits",
-    "draft forwards",
-    "draft token choice",
-    "draft set-up",
-    "verify, bookkeeping",
-    "scheduler, rest",
-)
 
 
 def matching(stats: dict, key: tuple[str, str]) -> list:
@@ -130,7 +119,6 @@ def choose_in_draft_vocab() -> None:
 def worker(args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     if args.choose_in_draft_vocab:
         choose_in_draft_vocab()
@@ -145,13 +133,7 @@ def worker(args: argparse.Namespace) -> None:
         enforce_eager=args.eager,
         seed=0,
     )
-    tokenizer = llm.get_tokenizer()
-    prompts = []
-    for text in proposers.referee.read_prompts(Path(args.prompts), args.limit):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        prompts.append(TokensPrompt(prompt_token_ids=tokenizer(rendered, add_special_tokens=False).input_ids))
+    prompts = proposers.chat_prompts(llm.get_tokenizer(), Path(args.prompts), args.limit)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     profile = cProfile.Profile()
@@ -192,18 +174,11 @@ def main() -> None:
     if args.worker is not None:
         worker(args)
         return
-    runs = []
-    for index in range(len(args.proposer)):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "run.json"
-            argv = [a for a in sys.argv[1:] if a]
-            subprocess.run(
-                [sys.executable, __file__, *argv, "--worker", str(index), "--worker-out", str(out)], check=True
-            )
-            runs.append(json.loads(out.read_text()))
+    runs = [proposers.run_one(index, sys.argv[1:], __file__) for index in range(len(args.proposer))]
     first = runs[0]["step_ms"]
-    print("| proposer | steps | tokens a step | ms a step | in steps of the first | " + " | ".join(PARTS) + " |")
-    print("|---|" + "---:|" * (4 + len(PARTS)))
+    parts = list(runs[0]["parts_ms"])
+    print("| proposer | steps | tokens a step | ms a step | in steps of the first | " + " | ".join(parts) + " |")
+    print("|---|" + "---:|" * (4 + len(parts)))
     for run in runs:
         cells = [
             run["proposer"],
@@ -211,7 +186,7 @@ def main() -> None:
             f"{run['output_tokens'] / run['steps']:.2f}",
             f"{run['step_ms']:.1f}",
             f"{run['step_ms'] / first:.2f}",
-            *(f"{run['parts_ms'][part]:.2f}" for part in PARTS),
+            *(f"{run['parts_ms'][part]:.2f}" for part in parts),
         ]
         print("| " + " | ".join(cells) + " |")
     if args.out:
