@@ -12,6 +12,7 @@ from wingspan.budget import (
     MARGIN,
     NO_PROMPTS,
     PLAN_FILE,
+    Pace,
     Prompts,
     Rates,
     against_plan,
@@ -215,7 +216,7 @@ def test_training_makes_the_passes_that_still_fit_the_budget(tmp_path, capsys):
     config = TrainConfig(data=["x.jsonl"], output_dir=str(tmp_path / "run"), epochs=3.0)
     assert fit_training_to_budget(fitted, config, tmp_path, 731.0, 28_300).epochs == 2.0
     assert capsys.readouterr().out == (
-        "[3/5] training makes 2 passes in place of 3: the stages before it took 1.6 min more than predicted\n"
+        "[3/5] training starts with 2 passes in place of 3: the stages before it took 1.6 min more than predicted\n"
     )
     kept = saved_plan(tmp_path, 1000.0, REQUEST)
     assert kept.training_passes == 2.0
@@ -223,6 +224,23 @@ def test_training_makes_the_passes_that_still_fit_the_budget(tmp_path, capsys):
     # a rerun (this process spent less) resumes the same training
     assert fit_training_to_budget(kept, config, tmp_path, 100.0, 28_300).epochs == 2.0
     assert "as fitted to the budget when training first started" in capsys.readouterr().out
+
+
+def test_training_s_end_follows_the_clock_at_its_recent_speed():
+    clock = iter([50.0, 100.0, 200.0, 300.0, 400.0, 500.0, 1100.0])
+    pace = Pace(deadline=1000.0, max_passes=3.0, clock=lambda: next(clock))
+    assert pace(50, 200) is None  # no speed yet
+    assert pace(100, 200) == 600  # 1 s a step: 900 more fit, but three passes are 600
+    assert pace(150, 200) == 600  # 2 s a step from here; no call is 300 s old, so 1.5 s a step since step 50
+    assert pace(200, 200) == 600  # 1.67 s a step since step 50: 420 more fit
+    assert pace(250, 200) == 550  # 2 s a step since step 100, the last call at least 300 s old: 300 more fit
+    assert pace(300, 200) == 550  # 2 s since step 150: 250 more in the 500 s left (the 1.8 since step 50: 277)
+    assert pace(350, 200) == 350  # past the deadline after one pass: it ends now
+    assert pace.summary() == "training's end fitted to the clock at 6 checkpoints, from step 600 to 350 (1.75 passes)"
+
+    late = Pace(deadline=100.0, max_passes=3.0, clock=iter([0.0, 150.0]).__next__)
+    late(50, 200)
+    assert late(100, 200) == 200  # out of time before one pass: one all the same
 
 
 def test_the_time_the_target_s_conversations_saved_buys_text():

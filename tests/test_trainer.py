@@ -172,6 +172,36 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_pat
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
 
 
+def test_a_paced_run_ends_where_its_pace_says_and_a_resume_ends_there_too(tiny_target, tmp_path):
+    d2t, t2d = identity_vocab()
+    data = sequences(16, 11)
+    calls = []
+
+    def pace(step: int, steps_per_epoch: int) -> int | None:
+        calls.append((step, steps_per_epoch))
+        return 10 if step == 4 else None
+
+    # 6 steps a pass, 12 in all; a checkpoint every 4
+    fields = dict(pack=True, batch_tokens=32, grad_accum=1, max_steps=None, epochs=2.0, keep_checkpoints=3)
+    cfg = config(tmp_path / "a", **fields)
+    full = train(cfg, tiny_target, data, d2t, t2d, pace=pace)
+    assert calls == [(4, 6), (8, 6)]  # at each checkpoint before the end
+    metrics = [json.loads(line) for line in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [4, 8, 10]
+    assert metrics[1]["lr"] == pytest.approx(learning_rate(7, 10, cfg))  # the schedule follows the new end
+
+    def unpaced(step: int, steps_per_epoch: int) -> int | None:
+        raise AssertionError("a resumed run ends where its checkpoint says")
+
+    interrupted_copy(tmp_path / "a" / "run", tmp_path / "b" / "run", at=4)  # written once the end was fitted
+    resumed = train(config(tmp_path / "b", **fields), tiny_target, data, d2t, t2d, resume=True, pace=unpaced)
+    logged = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in logged] == [4, 8, 10]
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
 def test_the_step_called_alone_is_the_loops_step(tiny_target, tmp_path):
     """`train_step` outside `train` (as the throughput bench and any later training mode call it) gives the
     loop's weights and metrics: one step of two accumulated micro-batches, compared bit for bit."""

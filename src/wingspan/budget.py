@@ -6,9 +6,10 @@ batch, plain decoding at batch 1, a small dump of the target's features and a fe
 a scratch folder, removed after). The plan then takes the most conversations whose predicted total fits the
 budget, with --text drawn in the 2-hour recipe's proportion, and is kept in `budget.json` beside the run, so that
 a rerun after an interruption continues the same plan instead of measuring again. The machine's speed drifts, so
-the plan is fitted twice on the way: once the target's conversations are written, the time they took less than
+the plan is fitted on the way: once the target's conversations are written, the time they took less than
 predicted buys more --text (`fitted_text`); when training starts, its passes are fitted to the time left
-(`fitted_passes`): the stages before may have run slower than the probe."""
+(`fitted_passes`): the stages before may have run slower than the probe; and as training runs, its end is fitted
+to the clock at each checkpoint (`Pace`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import math
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ PROBE_TOKENS = 16384  # dumped and trained on by the probe: 8 training steps at 
 PROBE_STEPS = 8
 PROBE_WARMUP_STEPS = 2  # not timed: the first steps allocate and warm caches
 PROBE_DECODE_TOKENS = 64
+PACE_WINDOW_S = 300.0  # training's speed is taken over the last five minutes: steps vary, and the machine drifts
 
 PLAN_FILE = "budget.json"
 
@@ -245,6 +247,42 @@ def fitted_passes(plan: Plan, spent_s: float, tokens: int) -> float:
     ran slower than predicted (the machine's speed drifts by 10-20% over an hour here), and never less than one."""
     left = plan.seconds_left(spent_s)
     return round(min(plan.request["epochs"], max(1.0, left * plan.rates.train_tokens_per_s / tokens)), 2)
+
+
+@dataclasses.dataclass
+class Pace:
+    """Training's end fitted to the budget's clock as it runs (`train`'s `pace`): at each checkpoint, the steps that
+    fit before `deadline` at the speed of the last PACE_WINDOW_S, at least one pass and at most `max_passes`. The
+    probe's few steps do not say how fast an hour of training goes here, and the speed drifts within the hour."""
+
+    deadline: float  # `clock` time by which training ends
+    max_passes: float
+    clock: Callable[[], float] = time.perf_counter
+    seen: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, clock) at each call
+    ends: list[int] = dataclasses.field(default_factory=list)  # each fitted end
+    steps_per_epoch: int = 0
+
+    def __call__(self, step: int, steps_per_epoch: int) -> int | None:
+        now = self.clock()
+        self.seen.append((step, now))
+        self.steps_per_epoch = steps_per_epoch
+        earlier = [(s, t) for s, t in self.seen[:-1] if now - t >= PACE_WINDOW_S]
+        since_step, since = earlier[-1] if earlier else self.seen[0]
+        if since_step == step:  # the first call: no speed measured yet
+            return None
+        seconds_a_step = (now - since) / (step - since_step)
+        fits = step + math.floor((self.deadline - now) / seconds_a_step)
+        end = max(step, min(math.ceil(self.max_passes * steps_per_epoch), max(fits, steps_per_epoch)))
+        self.ends.append(end)
+        return end
+
+    def summary(self) -> str:
+        if not self.ends:
+            return ""
+        return (
+            f"training's end fitted to the clock at {len(self.ends)} checkpoints, from step {self.ends[0]} to "
+            f"{self.ends[-1]} ({self.ends[-1] / self.steps_per_epoch:.2f} passes)"
+        )
 
 
 def against_plan(plan: Plan, spent: dict[str, float]) -> str:

@@ -893,8 +893,8 @@ def quickstart(
             help="A wall-clock budget for the whole job, such as 2h or 90m: a short probe times each stage on this "
             "machine, then --conversations and --text-conversations are chosen (in the 2-hour recipe's proportion) "
             "so that it fits; the plan is kept in OUT/budget.json, and a rerun continues it. More --text is drawn when "
-            "the target's conversations took less time than predicted; training makes fewer passes when the stages "
-            "before it ran late."
+            "the target's conversations took less time than predicted; training's end is fitted to the clock at each "
+            "checkpoint (fewer passes when it or the stages before it run late)."
         ),
     ] = None,
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -111,9 +112,13 @@ def build_vocab(
 
 
 def run_training(
-    config: TrainConfig, resume: bool | Literal["if-any"] = False, target: TargetModel | None = None
+    config: TrainConfig,
+    resume: bool | Literal["if-any"] = False,
+    target: TargetModel | None = None,
+    pace: Callable[[int, int], int | None] | None = None,
 ) -> Path:
-    """Load the target (unless given) and the data, build the vocab, train; returns the final draft's directory.
+    """Load the target (unless given) and the data, build the vocab, train (`pace`: see `train`); returns the
+    final draft's directory.
 
     With `config.from_dump` the records and the target's features come from that dump; the target is still
     loaded (draft shape, frozen embeddings, lm_head rows) but never run.
@@ -147,13 +152,15 @@ def run_training(
             resume=resume,
             features=features,
             built_vocab=vocab if built else None,
+            pace=pace,
         )
     records = tokenized_dataset(
         config.data, target.tokenizer, config.max_length, config.learn_reasoning, config.learn_prompts
     )
     vocab, built = draft_vocab(config, target, records)
     # online: the target runs each batch
-    return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume, built_vocab=vocab if built else None)
+    built_vocab = vocab if built else None
+    return train(config, target, records, vocab.d2t, vocab.t2d, resume=resume, built_vocab=built_vocab, pace=pace)
 
 
 def run_dump(

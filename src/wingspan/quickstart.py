@@ -78,7 +78,7 @@ def run_quickstart(
     make the longer recipes of docs/quickstart.md. `budget` (a duration such as 2h) chooses `conversations` and
     `text_conversations` instead, measured on this machine (wingspan/budget.py); `conversations` 0 still means
     text only."""
-    from wingspan.budget import against_plan, saved_plan
+    from wingspan.budget import Pace, against_plan, saved_plan
     from wingspan.data.conversations import read_finished
     from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.vocab import DraftVocab
@@ -175,10 +175,14 @@ def run_quickstart(
     print(f"[3/5] the target's features -> {dump_dir}, then the draft vocab and training")
     manifest = run_dump(config, dump_dir, resume=True, target=target)
     lap("features")
+    pace = None
     if plan is not None:
         config = fit_training_to_budget(plan, config, out, time.perf_counter() - started, manifest.num_tokens)
-    draft_dir = run_training(config, resume="if-any", target=target)
+        pace = Pace(deadline=started + plan.seconds_left(0.0), max_passes=plan.request["epochs"])
+    draft_dir = run_training(config, resume="if-any", target=target, pace=pace)
     lap("training")
+    if pace and pace.summary():
+        print(f"[3/5] {pace.summary()}")
 
     print("[4/5] export for vLLM")
     export_dir = out / "vllm-draft"
@@ -348,9 +352,9 @@ def fit_text_to_budget(
 
 
 def fit_training_to_budget(plan: Plan, config: TrainConfig, out: Path, spent_s: float, tokens: int) -> TrainConfig:
-    """`config` with the passes that still fit the budget once `spent_s` have gone (`fitted_passes`), chosen when
-    training first starts and kept in the plan, so that a rerun resumes the same training; said when they are
-    fewer than the plan's."""
+    """`config` with the passes training starts with: those that still fit the budget once `spent_s` have gone
+    (`fitted_passes`), chosen when training first starts and kept in the plan, so that a rerun resumes the same
+    training; said when they are fewer than the plan's. Its end then follows the clock (`Pace`)."""
     from wingspan.budget import fitted_passes, save_plan
 
     passes = plan.training_passes
@@ -362,7 +366,7 @@ def fit_training_to_budget(plan: Plan, config: TrainConfig, out: Path, spent_s: 
     else:
         why = "as fitted to the budget when training first started"
     if passes < config.epochs:
-        print(f"[3/5] training makes {passes:g} passes in place of {config.epochs:g}: {why}")
+        print(f"[3/5] training starts with {passes:g} passes in place of {config.epochs:g}: {why}")
     config = dataclasses.replace(config, epochs=passes)
     save_json(config, out / "train_config.json")
     return config

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -564,6 +565,7 @@ def train(
     resume: bool | Literal["if-any"] = False,
     features: FeatureSource | None = None,
     built_vocab: DraftVocab | None = None,
+    pace: Callable[[int, int], int | None] | None = None,
 ) -> Path:
     """Train a draft on `sequences` against `target`; returns the directory of the final draft.
 
@@ -571,8 +573,10 @@ def train(
     itself is still needed for the draft's shape, frozen embeddings and initial weights. The draft trains
     on the target's device. `resume`: continue output_dir from its latest checkpoint, which must exist
     (True) or may not ("if-any"); see `open_run`. `built_vocab`: the vocab (d2t, t2d) built for this run, saved
-    in output_dir once the resume check has passed. Under torchrun every rank calls this with the same
-    arguments.
+    in output_dir once the resume check has passed. `pace`: fits the run's end to a clock as it trains; called
+    at each checkpoint step before the checkpoint is written, with the step and the steps in a pass, it returns
+    the step to end at (None: the same). A resumed paced run ends where its checkpoint says, unpaced: the clock
+    of the interrupted process is gone. Under torchrun every rank calls this with the same arguments.
     """
     world = current_world()
     config = with_defaults(config, target.hidden_size, sum(len(s.input_ids) for s in sequences))
@@ -600,6 +604,8 @@ def train(
         # numbers (the data order is a function of seed and epoch); CUDA generators are not saved.
         torch.set_rng_state(checkpoint.rng_state)
         step, epoch, batch_index = (checkpoint.trainer_state[k] for k in ("step", "epoch", "batch_index"))
+        if pace:
+            total_steps, pace = checkpoint.trainer_state.get("end", total_steps), None
         print0(f"resumed from {checkpoint.path} (step {step}/{total_steps})")
         if step >= total_steps:
             print0(f"resume: the checkpoint is at step {step}, the run ends at {total_steps}: nothing to train")
@@ -633,6 +639,12 @@ def train(
             if trainee.device.type == "cpu" and step % RELEASE_MEMORY_EVERY == 0:
                 release_freed_memory()
             progress.update(1)
+            if pace and step % config.save_every == 0 and step < total_steps:
+                end = pace(step, steps_per_epoch) if world.is_main else 0
+                end = total_steps if end is None else end
+                # rank 0's clock decides, so that every rank ends at the same step
+                end = int(world.sum(torch.tensor([float(end)], device=trainee.device)).item())
+                total_steps = progress.total = max(step, end)
             if step % config.log_every == 0 or step == total_steps:
                 guard.check(last_checkpoint)
                 record = log.flush(step, lr)
@@ -648,7 +660,13 @@ def train(
                 draft = trainee.draft
                 weights, optimizer_state = full_weights(draft), full_optimizer_state(draft, trainee.optimizer)
                 if world.is_main:
-                    position = {"step": step, "epoch": epoch, "batch_index": batch_index, "run": run_record}
+                    position = {
+                        "step": step,
+                        "epoch": epoch,
+                        "batch_index": batch_index,
+                        "end": total_steps,
+                        "run": run_record,
+                    }
                     save_checkpoint(
                         run_dir, step, weights, draft.config, optimizer_state, position, keep=config.keep_checkpoints
                     )
