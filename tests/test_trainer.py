@@ -172,7 +172,7 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny_target, tmp_pat
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
 
 
-def test_a_paced_run_ends_where_its_pace_says_and_a_resume_ends_there_too(tiny_target, tmp_path):
+def test_a_paced_run_ends_where_its_pace_says_and_a_resume_ends_there_too(tiny_target, tmp_path, capsys):
     d2t, t2d = identity_vocab()
     data = sequences(16, 11)
     calls = []
@@ -182,13 +182,17 @@ def test_a_paced_run_ends_where_its_pace_says_and_a_resume_ends_there_too(tiny_t
         return 10 if step == 4 else None
 
     # 6 steps a pass, 12 in all; a checkpoint every 4
-    fields = dict(pack=True, batch_tokens=32, grad_accum=1, max_steps=None, epochs=2.0, keep_checkpoints=3)
+    fields = dict(
+        pack=True, batch_tokens=32, grad_accum=1, max_steps=None, epochs=2.0, keep_checkpoints=3, warmup_ratio=0.25
+    )
     cfg = config(tmp_path / "a", **fields)
     full = train(cfg, tiny_target, data, d2t, t2d, pace=pace)
     assert calls == [(4, 6), (8, 6)]  # at each checkpoint before the end
     metrics = [json.loads(line) for line in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [4, 8, 10]
-    assert metrics[1]["lr"] == pytest.approx(learning_rate(7, 10, cfg))  # the schedule follows the new end
+    # the cosine follows the new end, the warmup stays that of the 12 steps planned
+    assert metrics[1]["lr"] == pytest.approx(learning_rate(7, 10, cfg, planned=12))
+    assert learning_rate(7, 10, cfg, planned=12) != learning_rate(7, 10, cfg)
 
     def unpaced(step: int, steps_per_epoch: int) -> int | None:
         raise AssertionError("a resumed run ends where its checkpoint says")
@@ -200,6 +204,13 @@ def test_a_paced_run_ends_where_its_pace_says_and_a_resume_ends_there_too(tiny_t
     a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+    train(cfg, tiny_target, data, d2t, t2d, resume=True)  # the finished run, resumed as `wingspan train` would
+    assert "the run ends at 10: nothing to train" in capsys.readouterr().out
+    interrupted_copy(tmp_path / "a" / "run", tmp_path / "c" / "run", at=4)
+    train(config(tmp_path / "c", **fields | {"epochs": 3.0}), tiny_target, data, d2t, t2d, resume=True)
+    logged = (tmp_path / "c" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(logged[-1])["step"] == 18  # other passes asked for: the end moves with them
 
 
 def test_the_step_called_alone_is_the_loops_step(tiny_target, tmp_path):

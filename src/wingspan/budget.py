@@ -252,8 +252,9 @@ def fitted_passes(plan: Plan, spent_s: float, tokens: int) -> float:
 @dataclasses.dataclass
 class Pace:
     """Training's end fitted to the budget's clock as it runs (`train`'s `pace`): at each checkpoint, the steps that
-    fit before `deadline` at the speed of the last PACE_WINDOW_S, at least one pass and at most `max_passes`. The
-    probe's few steps do not say how fast an hour of training goes here, and the speed drifts within the hour."""
+    fit before `deadline` at the speed since the newest call at least PACE_WINDOW_S old (the first call while none
+    is), at least one pass unless `max_passes` is less, and at most `max_passes`. The probe's few steps do not say
+    how fast an hour of training goes here, and the speed drifts within the hour."""
 
     deadline: float  # `clock` time by which training ends
     max_passes: float

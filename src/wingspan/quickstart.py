@@ -177,8 +177,10 @@ def run_quickstart(
     lap("features")
     pace = None
     if plan is not None:
+        # A rerun trains the passes fitted before, unpaced: the clock of the process that fitted them is gone.
+        if plan.training_passes is None:
+            pace = Pace(deadline=started + plan.seconds_left(0.0), max_passes=plan.request["epochs"])
         config = fit_training_to_budget(plan, config, out, time.perf_counter() - started, manifest.num_tokens)
-        pace = Pace(deadline=started + plan.seconds_left(0.0), max_passes=plan.request["epochs"])
     draft_dir = run_training(config, resume="if-any", target=target, pace=pace)
     lap("training")
     if pace and pace.summary():

@@ -82,9 +82,10 @@ def with_defaults(config: TrainConfig, hidden_size: int, data_tokens: int) -> Tr
     return dataclasses.replace(config, **chosen)
 
 
-def learning_rate(step: int, total: int, config: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to `min_lr_ratio * lr`."""
-    warmup = max(1, round(config.warmup_ratio * total))
+def learning_rate(step: int, total: int, config: TrainConfig, planned: int | None = None) -> float:
+    """Linear warmup over `warmup_ratio` of the `planned` steps (default: `total`), then cosine decay to
+    `min_lr_ratio * lr` at `total`: a paced run's moving end moves the cosine, never back into the warmup."""
+    warmup = max(1, round(config.warmup_ratio * (planned or total)))
     if step < warmup:
         return config.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
@@ -574,9 +575,10 @@ def train(
     on the target's device. `resume`: continue output_dir from its latest checkpoint, which must exist
     (True) or may not ("if-any"); see `open_run`. `built_vocab`: the vocab (d2t, t2d) built for this run, saved
     in output_dir once the resume check has passed. `pace`: fits the run's end to a clock as it trains; called
-    at each checkpoint step before the checkpoint is written, with the step and the steps in a pass, it returns
-    the step to end at (None: the same). A resumed paced run ends where its checkpoint says, unpaced: the clock
-    of the interrupted process is gone. Under torchrun every rank calls this with the same arguments.
+    on rank 0 at each `save_every` step before the end, before that checkpoint is written, with the step and the
+    steps in a pass, it returns the step to end at (None: the same), and every rank ends there. A resumed run is
+    not paced: unless its passes or max_steps were changed, it ends where its checkpoint says (the clock of the
+    interrupted process is gone). Under torchrun every rank calls this with the same arguments.
     """
     world = current_world()
     config = with_defaults(config, target.hidden_size, sum(len(s.input_ids) for s in sequences))
@@ -596,7 +598,7 @@ def train(
 
     batches_per_epoch = len(plan_epoch(lengths, config, 0, shuffle=False))
     steps_per_epoch = max(1, batches_per_epoch // config.grad_accum)
-    total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
+    planned_steps = total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
 
     step, epoch, batch_index = 0, 0, 0
     if checkpoint:
@@ -604,8 +606,12 @@ def train(
         # numbers (the data order is a function of seed and epoch); CUDA generators are not saved.
         torch.set_rng_state(checkpoint.rng_state)
         step, epoch, batch_index = (checkpoint.trainer_state[k] for k in ("step", "epoch", "batch_index"))
-        if pace:
-            total_steps, pace = checkpoint.trainer_state.get("end", total_steps), None
+        recorded = checkpoint.trainer_state.get("run", {}).get("config", {})
+        if "end" in checkpoint.trainer_state and all(
+            recorded.get(name) == run_record["config"][name] for name in ("epochs", "max_steps")
+        ):
+            total_steps = checkpoint.trainer_state["end"]  # where its pace, if any, put it
+        pace = None
         print0(f"resumed from {checkpoint.path} (step {step}/{total_steps})")
         if step >= total_steps:
             print0(f"resume: the checkpoint is at step {step}, the run ends at {total_steps}: nothing to train")
@@ -631,7 +637,7 @@ def train(
                     plan = plan_epoch(lengths, config, epoch, config.shuffle)
                 group.append(collate(sequences, plan[batch_index], pad_id))
                 batch_index += 1
-            lr = learning_rate(step, total_steps, config)
+            lr = learning_rate(step, total_steps, config, planned_steps)
             metrics = train_step(trainee, group, features, lr, config, world)
             step += 1
             guard.add(step, group, metrics)
