@@ -18,7 +18,6 @@ from wingspan.budget import (
     against_plan,
     by_the_target,
     fitted_passes,
-    fitted_text,
     measure_rates,
     parse_budget,
     plan_sizes,
@@ -33,12 +32,10 @@ from wingspan.data.conversations import Conversation, Message
 from wingspan.data.template import chat_prompt
 from wingspan.errors import ConfigError
 from wingspan.quickstart import (
-    fit_text_to_budget,
     fit_training_to_budget,
     prompt_sample,
     run_quickstart,
     text_sample,
-    training_tokens,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,41 +238,6 @@ def test_training_s_end_follows_the_clock_at_its_recent_speed():
     late = Pace(deadline=100.0, max_passes=3.0, clock=iter([0.0, 150.0]).__next__)
     late(50, 200)
     assert late(100, 200) == 200  # out of time before one pass: one all the same
-
-
-def test_the_time_the_target_s_conversations_saved_buys_text():
-    fitted = plan(5000.0, [100] * 10_000)  # 493 conversations and 1,585 of text; 563 s before the features
-    assert (fitted.conversations, fitted.text_conversations, fitted.tokens) == (493, 1585, 207_800)
-    on_time = 563.0
-    assert fitted_text(fitted, on_time, 207_800, [100] * 8000) == 0  # 50 tokens of room, 100 a conversation
-    assert fitted_text(fitted, on_time - 60, 207_800, [100] * 8000) == 30  # 60 s at 2 s a conversation of text
-    assert fitted_text(fitted, on_time - 60, 207_800, [100] * 10) == 10  # all the text there is
-    assert fitted_text(fitted, on_time - 60, 207_800, [100] * 8000, max_tokens=208_850) == 10  # the disk's room
-    assert fitted_text(fitted, on_time - 60, 207_800, [0, 3000, 100]) == 2  # in the draw's order, whole
-    assert fitted_text(fitted, on_time + 60, 207_800, [100] * 8000) == 0  # late: training's passes take that up
-
-
-def test_a_budget_s_text_is_fitted_once_and_kept_for_a_rerun(chatty, tiny_llama_dir, counting_chat, tmp_path, capsys):  # noqa: F811
-    config = probe_config(tiny_llama_dir, tmp_path)
-    pool = text_sample((str(counting_chat(40, spread=4)),), None, seed=0)
-    lengths = list(training_tokens(chatty, config, pool))
-    assert len(lengths) == 40 and all(n > 0 for n in lengths)
-    fitted = plan(150.0, lengths)  # 6 conversations by the target (100 tokens planned each) and 19 of text
-    assert (fitted.conversations, fitted.text_conversations) == (6, 19)
-    made = pool[30:36]  # stand-ins for the target's 6, shorter than planned
-    spent = fitted.predicted_s["so far"] + fitted.predicted_s["the target's conversations"] - 6.0
-    tokens = sum(lengths[30:36]) + sum(lengths[:19])
-    expected = 19 + fitted_text(fitted, spent, tokens, lengths[19:])
-    assert expected > 19 + 5  # 6 s early buys 300 tokens of text, and the shorter conversations more
-    kept, written = fit_text_to_budget(fitted, config, chatty, tmp_path, pool, made, spent)
-    assert written == pool[:expected] and kept.fitted_text_conversations == expected
-    assert capsys.readouterr().out == (
-        f"[2/5] {expected} conversations of --text in place of 19: the target's took 0.1 min less than predicted\n"
-    )
-    assert saved_plan(tmp_path, 150.0, REQUEST) == kept
-    # a rerun (this process spent less) draws the same text, silently
-    assert fit_text_to_budget(kept, config, chatty, tmp_path, pool, made, 10.0) == (kept, written)
-    assert capsys.readouterr().out == ""
 
 
 def probe_config(tiny_llama_dir, tmp_path) -> TrainConfig:

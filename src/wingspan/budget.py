@@ -6,10 +6,10 @@ batch, plain decoding at batch 1, a small dump of the target's features and a fe
 a scratch folder, removed after). The plan then takes the most conversations whose predicted total fits the
 budget, with --text drawn in the 2-hour recipe's proportion, and is kept in `budget.json` beside the run, so that
 a rerun after an interruption continues the same plan instead of measuring again. The machine's speed drifts, so
-the plan is fitted on the way: once the target's conversations are written, the time they took less than
-predicted buys more --text (`fitted_text`); when training starts, its passes are fitted to the time left
-(`fitted_passes`): the stages before may have run slower than the probe; and as training runs, its end is fitted
-to the clock at each checkpoint (`Pace`)."""
+training is fitted on the way: when it starts, its passes are fitted to the time left (`fitted_passes`): the
+stages before may have run slower than the probe; and as it runs, its end is fitted to the clock at each
+checkpoint (`Pace`). Time saved by stages that ran early is not spent: the run ends early (more text bought
+with it trained no better draft, docs/results/recipe.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import math
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,7 +124,6 @@ class Plan:
     text_conversations: int  # of --text, drawn at random
     tokens: int
     predicted_s: dict[str, float]  # per stage, the probe and loading included ("so far")
-    fitted_text_conversations: int | None = None  # set when the target's are written (`fitted_text`), kept
     training_passes: float | None = None  # set when training starts (`fitted_passes`), kept for a rerun
 
     def seconds_left(self, spent_s: float) -> float:
@@ -223,22 +222,6 @@ def plan_sizes(
         middle = (low + high) // 2
         low, high = (middle, high) if total(middle) <= limit else (low, middle)
     return Plan(budget_s, request, rates, *sizes(low), tokens(low), predicted(low))
-
-
-def fitted_text(plan: Plan, spent_s: float, tokens: int, more: Iterable[int], max_tokens: float = math.inf) -> int:
-    """How many more --text conversations than the plan's fit once the target's conversations are written:
-    `spent_s` gone, `tokens` (theirs and the plan's text) still to dump and train on, `more` the tokens of each
-    next conversation of the draw, `max_tokens` the dump's room on disk. The time the target's conversations took
-    less than predicted goes to text, which costs no generation (more tokens paid at every size measured, passes
-    beyond the plan's did not); none is taken back when they ran late: training's passes absorb that."""
-    left = plan.seconds_left(spent_s)
-    per_token = 1 / plan.rates.dump_tokens_per_s + plan.request["epochs"] / plan.rates.train_tokens_per_s
-    room, added = min(left / per_token, max_tokens) - tokens, 0
-    for length in more:
-        if length > room:
-            break
-        room, added = room - length, added + 1
-    return added
 
 
 def fitted_passes(plan: Plan, spent_s: float, tokens: int) -> float:

@@ -124,7 +124,7 @@ def run_quickstart(
     dump_dir = out / "dump"
     config = dataclasses.replace(config, data=data, from_dump=str(dump_dir))
     out.mkdir(parents=True, exist_ok=True)
-    if written and plan is None:  # first: a rerun that drew other text is refused before anything is replaced
+    if written:  # first: a rerun that drew other text is refused before anything is replaced
         keep_text(written, text_path)
     if invented and synth_path.exists():  # synthesize() extends a file, and keeps one that holds more
         earlier = len(read_finished(synth_path))
@@ -162,11 +162,6 @@ def run_quickstart(
             seed=config.seed,
             resume=True,
         )
-    if written and plan is not None:  # a budget's text is drawn once the time the target's conversations took is known
-        made = [c for path in (replies_path, synth_path) if path.exists() for c in read_finished(path)]
-        pool = text_sample(text, None, config.seed, held_out)
-        plan, written = fit_text_to_budget(plan, config, target, out, pool, made, time.perf_counter() - started)
-        keep_text(written, text_path)
     if written:
         print(f"[2/5] {len(written)} conversations written by others, from {', '.join(text)}: {text_path}")
 
@@ -320,37 +315,6 @@ def dump_room(target: TargetModel, out: Path) -> float:
     from wingspan.data.hidden_states import bytes_per_token
 
     return 0.9 * shutil.disk_usage(out).free / bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
-
-
-def fit_text_to_budget(
-    plan: Plan,
-    config: TrainConfig,
-    target: TargetModel,
-    out: Path,
-    pool: list[Conversation],
-    made: list[Conversation],
-    spent_s: float,
-) -> tuple[Plan, list[Conversation]]:
-    """The plan and the --text to train on (the first of the seeded draw `pool`) once the target's conversations
-    (`made`) are written and `spent_s` have gone: the plan's text, and more when those took less time than
-    predicted (`fitted_text`), chosen once and kept in the plan, so that a rerun draws the same; said when more."""
-    from wingspan.budget import fitted_text, save_plan
-
-    count = plan.fitted_text_conversations
-    if count is None:
-        planned = plan.text_conversations
-        tokens = sum(training_tokens(target, config, made + pool[:planned]))
-        more = training_tokens(target, config, pool[planned:])
-        count = planned + fitted_text(plan, spent_s, tokens, more, dump_room(target, out))
-        plan = dataclasses.replace(plan, fitted_text_conversations=count)
-        save_plan(plan, out)
-        if count > planned:
-            early = plan.predicted_through("the target's conversations") - spent_s
-            print(
-                f"[2/5] {count} conversations of --text in place of {planned}: the target's took "
-                f"{early / 60:.1f} min less than predicted"
-            )
-    return plan, pool[:count]
 
 
 def fit_training_to_budget(plan: Plan, config: TrainConfig, out: Path, spent_s: float, tokens: int) -> TrainConfig:
