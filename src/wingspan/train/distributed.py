@@ -14,6 +14,7 @@ state in the single-process format, written by rank 0, so a run saved on N proce
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 from collections.abc import Iterator
@@ -77,6 +78,9 @@ def process_group(device: torch.device) -> Iterator[World]:
     if not launched_by_torchrun():
         yield World()
         return
+    # A rank that dies in native code (gloo, NCCL, a C++ thread at exit) says only "terminate called" and its
+    # signal; this prints where each of its Python threads was, in the stderr torchrun forwards.
+    faulthandler.enable(all_threads=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
