@@ -892,9 +892,9 @@ def quickstart(
         typer.Option(
             help="A wall-clock budget for the whole job, such as 2h or 90m: a short probe times each stage on this "
             "machine, then --conversations and --text-conversations are chosen (in the 2-hour recipe's proportion) "
-            "so that it fits; the plan is kept in OUT/budget.json, and a rerun continues it. Training's end is fitted to "
-            "the clock at each checkpoint (fewer passes when it or the stages before it run late; the run ends early "
-            "when they run early)."
+            "so that it fits; the plan is kept in OUT/budget.json, and a rerun continues it. Training's end is "
+            "fitted to the clock at each checkpoint (fewer passes when it or the stages before it run late; the run "
+            "ends early when they run early)."
         ),
     ] = None,
 ) -> None:
