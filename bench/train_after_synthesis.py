@@ -16,11 +16,12 @@ to the first mode:
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from wingspan.train.trainer import read_metrics, training_rate
 
 ONE_MODE = """
 import json, sys
@@ -43,11 +44,6 @@ run_training(config, target=target)
 """
 
 
-def tokens_per_s(metrics: Path) -> float:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return sum(r["tokens"] for r in rows) / sum(r["tokens"] / r["tokens_per_s"] for r in rows)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a train_config.json whose from_dump names a dump")
@@ -62,7 +58,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, "-c", ONE_MODE, mode, args.config, args.vocab, str(args.steps)]
             subprocess.run([*command, str(args.synthesize), out], check=True, stdout=subprocess.DEVNULL)
-            rates[mode] = tokens_per_s(Path(out) / "run" / "metrics.jsonl")
+            rates[mode] = training_rate(read_metrics(Path(out) / "run"))
         first = next(iter(rates.values()))
         print(f"{mode:>10}: {rates[mode]:,.0f} non-pad tokens/s ({rates[mode] / first:.2f}x)", flush=True)
 

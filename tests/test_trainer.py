@@ -20,8 +20,10 @@ from wingspan.train.trainer import (
     MAX_DEFAULT_EPOCHS,
     learning_rate,
     prepare_draft,
+    read_metrics,
     train,
     train_step,
+    training_rate,
     with_defaults,
 )
 from wingspan.train.ttt import step_weights_of, ttt_forward
@@ -85,6 +87,17 @@ def test_learning_rate_warms_up_then_decays():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_the_training_rate_weighs_each_window_by_its_time(tmp_path):
+    windows = [
+        {"step": 10, "tokens": 100, "tokens_per_s": 50.0},
+        {"step": 20, "tokens": 300, "tokens_per_s": 100.0},
+        {"step": 30, "tokens": 0, "tokens_per_s": 0.0},  # skipped steps only: no tokens, no rate
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(w) + "\n" for w in windows) + "\n")
+    assert read_metrics(tmp_path) == windows
+    assert training_rate(windows) == pytest.approx(400 / (2 + 3))  # the mean of the two rates would say 75
 
 
 def test_unset_lr_and_epochs_follow_the_targets_width_and_the_datas_size(tiny_target, tmp_path, capsys):

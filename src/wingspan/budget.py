@@ -349,6 +349,7 @@ def measure_rates(
     from wingspan.data.synth import regenerate, synthesize
     from wingspan.data.template import chat_prompt, tokenize_conversations
     from wingspan.pipeline import run_dump, run_training
+    from wingspan.train.trainer import read_metrics, training_rate
 
     def tokens_in(conversations: list[Conversation]) -> int:
         tokenized, _ = tokenize_conversations(
@@ -447,9 +448,7 @@ def measure_rates(
         manifest = run_dump(probe, probe_dir / "dump", target=target)
         dump_rate = manifest.num_tokens / (time.perf_counter() - started)
         run_training(probe, target=target)
-        steps = [json.loads(line) for line in (probe_dir / "run" / "metrics.jsonl").read_text().splitlines()]
-        timed = steps[PROBE_WARMUP_STEPS:]
-        train_rate = sum(s["tokens"] for s in timed) / sum(s["tokens"] / s["tokens_per_s"] for s in timed)
+        train_rate = training_rate(read_metrics(probe_dir / "run")[PROBE_WARMUP_STEPS:])
     finally:
         shutil.rmtree(probe_dir, ignore_errors=True)
     return Rates(

@@ -86,6 +86,7 @@ def run_quickstart(
     from wingspan.models.draft import Eagle3Draft
     from wingspan.models.registry import resolve_target
     from wingspan.pipeline import run_dump, run_training
+    from wingspan.train.trainer import read_metrics
 
     started = time.perf_counter()
     laps = [("", started)]  # (stage, when it ended), named as a budget plan's stages
@@ -192,7 +193,7 @@ def run_quickstart(
 
     vocab_path = Path(config.output_dir) / "vocab.safetensors"
     vocab = DraftVocab.load(vocab_path)
-    metrics = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(Path(config.output_dir))
     last = metrics[-1]
     accuracies = "  ".join(f"acc_{j}={last[f'acc_{j}']:.3f}" for j in range(config.ttt_steps))
     minutes = (time.perf_counter() - started) / 60

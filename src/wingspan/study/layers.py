@@ -34,6 +34,7 @@ from wingspan.models.draft import Eagle3Draft
 from wingspan.study.config import EXTENSIBLE_FIELDS, Setting, SettingResult, StudyConfig
 from wingspan.study.report import write_study_report
 from wingspan.trackers import TrackerName, Trackers
+from wingspan.train.trainer import read_metrics
 
 
 def open_study(config: StudyConfig, out: Path) -> StudyConfig:
@@ -189,7 +190,7 @@ def collect(config: StudyConfig, out: Path, prompt_sets: list[str]) -> list[Sett
             continue
         draft = Eagle3Draft.load(final)
         parameters = sum(p.numel() for name, p in draft.named_parameters() if not name.startswith("embed_tokens"))
-        metrics = [json.loads(line) for line in (directory / "run" / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_metrics(directory / "run")
         evals: dict[str, dict[str, dict[str, Any]]] = {}
         cost: dict[str, float | None] = {}
         prompts: dict[str, dict[str, list[tuple[str, int, int]]]] = {}

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -225,6 +225,18 @@ def start_from(draft: Eagle3Draft, directory: str) -> None:
     if differ:
         raise ConfigError(f"init_from {directory}: not the run's draft shape ({'; '.join(differ)})")
     draft.load_trainable_state({k: v.to(draft.fc.weight.device) for k, v in weights.items()}, source=directory)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl: one record a logging window."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def training_rate(windows: list[dict[str, Any]]) -> float:
+    """Non-pad tokens a second over logging windows: all their tokens over all their time, so that a window
+    of few tokens weighs as little as it took. Windows of skipped steps only (no tokens) are left out."""
+    timed = [w for w in windows if w["tokens"]]
+    return sum(w["tokens"] for w in timed) / sum(w["tokens"] / w["tokens_per_s"] for w in timed)
 
 
 class MetricLog:
