@@ -17,6 +17,7 @@ import yaml
 
 from wingspan.config import DraftConfig
 from wingspan.errors import ExportError
+from wingspan.train.trainer import read_metrics
 
 CARD = "README.md"
 TAGS = ["speculative-decoding", "eagle3", "draft-model", "wingspan"]
@@ -68,9 +69,8 @@ def provenance_of(draft_dir: str | Path, evaluation: str | Path | None = None) -
     if run is not None and (run / "config.json").is_file():
         try:
             provenance.run_config = json.loads((run / "config.json").read_text())
-            metrics = run / "metrics.jsonl"
-            if metrics.is_file():
-                records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if (run / "metrics.jsonl").is_file():
+                records = read_metrics(run)
                 provenance.metrics = [r for r in records if last_step is None or r.get("step", 0) <= last_step]
         except (OSError, ValueError):
             provenance = Provenance()  # an unreadable run says nothing; the card then says less
